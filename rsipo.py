@@ -1,0 +1,342 @@
+"""RSIPO advantages and losses: Eq. (1), (5), (10)-(12) as pure tensor functions.
+
+Contract
+--------
+Everything here is a pure function of tensors (no modules, no optimiser, no distributed code,
+no hyperparameter defaults read from anywhere but the call). Loss functions return
+``(loss, metrics)``: ``loss`` is a scalar tensor carrying the graph, ``metrics`` a dict of
+detached python floats. Shapes: B samples (one sample = one turn's response, or one skill-writing
+response), L response tokens, V vocabulary, T turn-samples, K tasks.
+
+Implemented (equation numbers are the ones in DESIGN.md §2):
+
+* ``turn_scores``        s_{i,t} = R_i − p_fmt·invalid_{i,t}                              (step 1)
+* ``group_advantages``   A_{i,t} = (s_{i,t} − mean_q s) / (std_q s + eps)                 (Eq. 1)
+* ``token_logprobs`` / ``entropy_from_logits``   ℓ = log π(y_t | ·) and H, both in fp32
+* ``masked_token_mean``  TokenMean[x] = Σ x·mask / n_tokens
+* ``policy_loss``        L_PG = −TokenMean[min(ρA, clip(ρ, 1−ε, 1+ε)A)], ρ = exp(ℓ − ℓ_old) (Eq. 10)
+* ``kl_k3``              KL_k3(π_θ‖π_ref) = TokenMean[exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1]
+* ``skill_advantages``   A^skill_q = g_q − mean{g_q' : c(q') = c(q)}                       (Eq. 5)
+* ``opsd_loss``          L_OPSD = TokenMean[λ_q · σ(β·sg(ℓ^T − ℓ)) · (ℓ^T − ℓ)]            (Eq. 11)
+* ``rsipo_loss``         L = L_PG + α·L_OPSD + η·L_skill + c_KL·KL_k3 − c_H·H              (Eq. 12)
+
+Deviations and choices not fixed by the paper
+---------------------------------------------
+1. **[ours] Eq. (1) uses the unbiased (n−1) standard deviation**, as ``torch.std`` does in
+   GRPO/verl. A group with a single turn-sample has no spread: its std is taken as 0 and its
+   advantage is exactly 0 (s equals its own mean). A group whose scores are all equal also gets
+   advantage 0. Group statistics are over *turn-samples* (DESIGN §2.2), so longer episodes weigh
+   more in the group mean; group ids may be any integers (not necessarily contiguous).
+2. **[ours] Eq. (5) single-task types.** When a task type has exactly one task in the batch, its
+   baseline is the running mean of that type, *before* this batch's update (0 for a type never
+   seen: g = 0 means "the skill neither helps nor hurts"). Running means are exponential moving
+   averages ``m ← momentum·m + (1 − momentum)·batch_mean_c`` starting at 0, updated for every
+   type present in the batch. Invalid skills enter both the batch mean and the running mean
+   with r_bad in place of g (the baseline is of the same quantity the advantage is of). The
+   input dict is not mutated; a new dict is returned.
+3. **[ours] Skill term of Eq. (12) as a second call.** Student-turn micro-batches and
+   skill-writing micro-batches are separate in the trainer, so ``rsipo_loss`` handles one kind
+   of sample per call. Student turns: ``rsipo_loss(..., advantages=A (Eq. 1), teacher_logp=ℓ^T,
+   trust=λ, pg_weight=1)``. Skill writing: ``rsipo_loss(..., advantages=A^skill (Eq. 5),
+   teacher_logp=None, pg_weight=η)``; the PG term is then η·L_skill with its own token mean over
+   skill tokens (pass that kind's ``n_tokens``). The sum of the two calls is Eq. (12). Whether
+   the KL and entropy terms also cover skill tokens is the caller's choice (pass ``ref_logp`` /
+   ``entropy`` or ``None``).
+4. **Absent terms are skipped, not multiplied by zero**: a term is left out when its input is
+   ``None`` or its coefficient is 0, so that ``alpha = 0`` or no teacher gives *exactly* the
+   GRPO loss and gradient (the reduction test), even if teacher log-probs were non-finite.
+5. **Token mean over micro-batches.** Every loss takes ``n_tokens``; when a mini-batch is split
+   into micro-batches the caller passes the mini-batch's total token count, so that summing the
+   micro-batch losses (gradient accumulation) gives the exact token mean of the whole mini-batch.
+   Default: this call's own ``mask.sum()`` (clamped ≥ 1).
+6. **Metrics.** ``*/loss`` entries are the value of the returned (possibly partial) term, so they
+   add up across micro-batches; every other statistic is a mean over *this call's* masked tokens
+   (``n_tokens`` in the metrics is that local count, for token-weighted aggregation).
+   ``pg/approx_kl`` is Schulman's k3 estimate of KL(π_old‖π_θ): (ρ − 1) − log ρ.
+   ``pg/clip_frac`` counts tokens where the clipped branch is the active one (its gradient is 0).
+7. No clamping of the log-ratio in ``kl_k3`` or ``policy_loss`` (some implementations clamp to
+   ±10/±20); the values here are the textbook formulas, tested against hand-derived numbers.
+
+Testing
+-------
+``python -m pytest tests/test_rsipo.py -q``: hand-derived values for every equation, clip and
+gate gradient checks, micro-batch token-mean exactness, the RSIPO → GRPO reduction, and a tiny
+end-to-end optimisation with a ``torch.nn.Linear`` policy. CPU only, a few seconds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "turn_scores",
+    "group_advantages",
+    "token_logprobs",
+    "entropy_from_logits",
+    "masked_token_mean",
+    "policy_loss",
+    "kl_k3",
+    "skill_advantages",
+    "opsd_loss",
+    "rsipo_loss",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 1-2: turn scores and group advantages
+
+
+def turn_scores(episode_reward: Tensor, invalid: Tensor, p_fmt: float) -> Tensor:
+    """s_{i,t} = R_i − p_fmt·invalid_{i,t}, one value per turn-sample.
+
+    episode_reward: [T] the reward of the episode each turn belongs to; invalid: [T] bool, the
+    turn's output had no parsable action. Returns [T] float.
+    """
+    r = episode_reward if episode_reward.is_floating_point() else episode_reward.float()  # [T]
+    return r - p_fmt * invalid.to(r.dtype)  # [T]  step 1: format penalty per turn
+
+
+def group_advantages(scores: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """Eq. (1): A = (s − mean_g s) / (std_g s + eps) over all turn-samples sharing a group id.
+
+    scores: [T] float; group_ids: [T] long (any integers, e.g. the task index). Unbiased std
+    (n − 1); a group of one sample gets std 0, hence advantage 0 (deviation 1). Vectorised with
+    ``index_add_``; statistics in float64, result in the scores' dtype. Returns [T].
+    """
+    if scores.numel() == 0:
+        return scores.clone()
+    s = scores.double()  # [T]
+    _, inv = torch.unique(group_ids, return_inverse=True)  # inv: [T] in [0, G)
+    G = int(inv.max().item()) + 1
+    count = torch.zeros(G, dtype=s.dtype, device=s.device).index_add_(0, inv, torch.ones_like(s))  # [G]
+    mean = torch.zeros(G, dtype=s.dtype, device=s.device).index_add_(0, inv, s) / count  # [G]
+    dev = s - mean[inv]  # [T]
+    sq = torch.zeros(G, dtype=s.dtype, device=s.device).index_add_(0, inv, dev * dev)  # [G]
+    std = (sq / (count - 1).clamp(min=1)).sqrt()  # [G] unbiased; single-sample group -> 0
+    std_t = std[inv]  # [T]
+    # zero spread (single sample or all-equal group) means dev == 0: advantage 0, even for eps = 0
+    adv = torch.where(std_t > 0, dev / (std_t + eps), torch.zeros_like(dev))  # [T]  Eq. (1)
+    out_dtype = scores.dtype if scores.is_floating_point() else torch.get_default_dtype()
+    return adv.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs, entropy, token mean
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """ℓ_t = log softmax(logits_t)[targets_t] in fp32. logits [B,L,V], targets [B,L] -> [B,L]."""
+    logp_all = torch.log_softmax(logits.float(), dim=-1)  # [B,L,V] fp32
+    return logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [B,L]
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Per-token entropy H_t = −Σ_v p log p in fp32. logits [B,L,V] -> [B,L]."""
+    logp_all = torch.log_softmax(logits.float(), dim=-1)  # [B,L,V]
+    return -(logp_all.exp() * logp_all).sum(-1)  # [B,L]
+
+
+def masked_token_mean(x: Tensor, mask: Tensor, n_tokens: float | Tensor | None = None) -> Tensor:
+    """TokenMean[x] = Σ x·mask / n_tokens; n_tokens defaults to mask.sum(), clamped ≥ 1.
+
+    Pass the mini-batch's total token count as ``n_tokens`` when it is split into micro-batches:
+    the sum of the micro-batch values (and gradients) is then the exact mini-batch token mean.
+    """
+    m = mask.to(x.dtype)  # [B,L]
+    if n_tokens is None:
+        n = m.sum().clamp(min=1.0)
+    else:
+        n = torch.as_tensor(n_tokens, dtype=x.dtype, device=x.device).clamp(min=1.0)
+    return (x * m).sum() / n  # scalar
+
+
+def _local_mean(x: Tensor, mask: Tensor) -> float:
+    """Detached mean of x over this call's masked tokens (metrics only)."""
+    m = mask.to(torch.float32)
+    return float((x.detach().float() * m).sum() / m.sum().clamp(min=1.0))
+
+
+def _per_token(a: Tensor, like: Tensor) -> Tensor:
+    """Broadcast a per-sample [B] tensor to [B,L]; a [B,L] tensor is returned as is."""
+    a = a.to(like.dtype)
+    return a.unsqueeze(-1) if a.dim() == like.dim() - 1 else a
+
+
+# ----------------------------------------------------------------------------------------------
+# Eq. (10) and KL
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    n_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """Eq. (10): L_PG = −TokenMean[min(ρA, clip(ρ, 1−ε, 1+ε)A)], ρ = exp(ℓ − ℓ_old).
+
+    logp, old_logp, mask: [B,L]; advantages: [B] (broadcast over tokens) or [B,L].
+    Metrics: pg/loss, pg/clip_frac, pg/ratio_mean, pg/approx_kl, n_tokens.
+    """
+    A = _per_token(advantages, logp)  # [B,1] or [B,L]
+    log_ratio = logp - old_logp.detach()  # [B,L]
+    ratio = log_ratio.exp()  # [B,L]  ρ
+    surr1 = ratio * A  # [B,L]  ρA
+    surr2 = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A  # [B,L]  clip(ρ)A
+    surr = torch.minimum(surr1, surr2)  # [B,L]
+    loss = -masked_token_mean(surr, mask, n_tokens)  # Eq. (10)
+    with torch.no_grad():
+        clipped = (surr2 < surr1).float()  # [B,L] the clipped branch is active (zero gradient)
+        approx_kl = (ratio - 1.0) - log_ratio  # [B,L] k3 of KL(π_old‖π_θ)
+        metrics = {
+            "pg/loss": float(loss.detach()),
+            "pg/clip_frac": _local_mean(clipped, mask),
+            "pg/ratio_mean": _local_mean(ratio, mask),
+            "pg/approx_kl": _local_mean(approx_kl, mask),
+            "n_tokens": float(mask.float().sum()),
+        }
+    return loss, metrics
+
+
+def kl_k3(
+    logp: Tensor,
+    ref_logp: Tensor,
+    mask: Tensor,
+    n_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """k3 estimator of KL(π_θ‖π_ref) per token: exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1 (≥ 0), token mean.
+
+    logp, ref_logp, mask: [B,L]. Metrics: kl/k3 (the returned value).
+    """
+    d = ref_logp.detach() - logp  # [B,L]
+    k3 = d.exp() - d - 1.0  # [B,L] ≥ 0, 0 iff ℓ = ℓ_ref
+    loss = masked_token_mean(k3, mask, n_tokens)  # KL term of Eq. (12)
+    return loss, {"kl/k3": float(loss.detach())}
+
+
+# ----------------------------------------------------------------------------------------------
+# Eq. (5): skill-generation advantage
+
+
+def skill_advantages(
+    gains: Tensor,
+    task_types: list[str],
+    valid: Tensor,
+    r_bad: float = -1.0,
+    running_means: dict | None = None,
+    momentum: float = 0.9,
+) -> tuple[Tensor, dict]:
+    """Eq. (5): A^skill_q = g_q − mean{g_q' : c(q') = c(q)} over the batch.
+
+    gains: [K] replay gains g_q (Eq. 3); task_types: K type names; valid: [K] bool, the skill
+    parsed. Invalid skills use r_bad in place of g. A type with a single task in the batch uses
+    the running mean of that type (0 if never seen) as its baseline [ours]. Running means are
+    EMAs ``m ← momentum·m + (1 − momentum)·batch_mean`` from 0 [ours], updated for every type in
+    the batch after the advantages are computed. Returns (A [K], new running-means dict).
+    """
+    if len(task_types) != gains.shape[0]:
+        raise ValueError(f"{len(task_types)} task types for {gains.shape[0]} gains")
+    dtype = gains.dtype if gains.is_floating_point() else torch.get_default_dtype()
+    g = torch.where(valid.bool(), gains.to(dtype), torch.full_like(gains, r_bad, dtype=dtype))  # [K]
+    old = dict(running_means or {})
+    new = dict(old)
+    baseline = torch.zeros_like(g)  # [K]
+    for c in dict.fromkeys(task_types):  # unique types, first-seen order (K is small)
+        idx = torch.tensor([i for i, t in enumerate(task_types) if t == c], device=g.device)
+        batch_mean = g[idx].mean()
+        if idx.numel() > 1:
+            baseline[idx] = batch_mean  # batch mean of the type
+        else:
+            baseline[idx] = float(old.get(c, 0.0))  # [ours] running mean before this update
+        new[c] = momentum * float(old.get(c, 0.0)) + (1.0 - momentum) * float(batch_mean)  # [ours] EMA
+    adv = g - baseline  # [K]  Eq. (5)
+    return adv, new
+
+
+# ----------------------------------------------------------------------------------------------
+# Eq. (11): trust-weighted, gated on-policy self-distillation
+
+
+def opsd_loss(
+    logp: Tensor,
+    teacher_logp: Tensor,
+    trust: Tensor,
+    mask: Tensor,
+    beta: float = 5.0,
+    n_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """Eq. (11): L_OPSD = TokenMean[λ_q · σ(β·sg(ℓ^T − ℓ)) · (ℓ^T − ℓ)], ℓ^T detached.
+
+    logp (student, with grad), teacher_logp, mask: [B,L]; trust λ: [B] (or [B,L]).
+    ∂L/∂ℓ_t = −λ·gate_t/n ≤ 0 for λ ≥ 0: gradient descent raises every sampled token's log-prob,
+    teacher-endorsed ones (gate → 1) fully, rejected ones (gate → 0) barely — never pushed down.
+    Metrics: opsd/loss, opsd/gate_mean, opsd/gate_frac_gt_half, opsd/gap_mean, opsd/trust_mean.
+    """
+    lam = _per_token(trust.detach(), logp)  # [B,1] or [B,L]
+    d = teacher_logp.detach() - logp  # [B,L]  ℓ^T − ℓ
+    gate = torch.sigmoid(beta * d.detach())  # [B,L]  σ(β·sg(ℓ^T − ℓ))
+    loss = masked_token_mean(lam * gate * d, mask, n_tokens)  # Eq. (11)
+    with torch.no_grad():
+        metrics = {
+            "opsd/loss": float(loss.detach()),
+            "opsd/gate_mean": _local_mean(gate, mask),
+            "opsd/gate_frac_gt_half": _local_mean((gate > 0.5).float(), mask),
+            "opsd/gap_mean": _local_mean(d, mask),
+            "opsd/trust_mean": float(trust.detach().float().mean()) if trust.numel() else 0.0,
+        }
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Eq. (12): total loss for one kind of sample
+
+
+def rsipo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    entropy: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    teacher_logp: Tensor | None = None,
+    trust: Tensor | None = None,
+    clip_eps: float = 0.2,
+    beta: float = 5.0,
+    alpha: float = 0.01,
+    c_kl: float = 0.01,
+    c_ent: float = 0.001,
+    pg_weight: float = 1.0,
+    n_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """Eq. (12) for a batch of samples of one kind:
+    L = pg_weight·L_PG + α·L_OPSD + c_KL·KL_k3 − c_H·H.
+
+    Student turns: advantages = Eq. (1), teacher_logp/trust given, pg_weight = 1.
+    Skill-writing samples: advantages = A^skill (Eq. 5), teacher_logp = None, pg_weight = η —
+    the PG term is then η·L_skill; adding the two calls' losses gives Eq. (12) (deviation 3).
+    A term is skipped when its input is None or its coefficient is 0: entropy=None or c_ent=0 →
+    no entropy bonus; ref_logp=None or c_kl=0 → no KL; teacher_logp=None or alpha=0 → no OPSD.
+    With no OPSD term this is exactly the GRPO loss (tested). All tensors [B,L] except
+    advantages/trust ([B] or [B,L]); n_tokens as in ``masked_token_mean``.
+    """
+    pg, metrics = policy_loss(logp, old_logp, advantages, mask, clip_eps=clip_eps, n_tokens=n_tokens)
+    loss = pg_weight * pg  # Eq. (12) L_PG (or η·L_skill)
+    if teacher_logp is not None and alpha != 0.0:
+        if trust is None:
+            raise ValueError("teacher_logp given without trust (pass ones for λ ≡ 1)")
+        opsd, m = opsd_loss(logp, teacher_logp, trust, mask, beta=beta, n_tokens=n_tokens)
+        loss = loss + alpha * opsd  # Eq. (12) α·L_OPSD
+        metrics.update(m)
+    if ref_logp is not None and c_kl != 0.0:
+        kl, m = kl_k3(logp, ref_logp, mask, n_tokens=n_tokens)
+        loss = loss + c_kl * kl  # Eq. (12) c_KL·KL_k3(π_θ‖π_ref)
+        metrics.update(m)
+    if entropy is not None and c_ent != 0.0:
+        ent = masked_token_mean(entropy, mask, n_tokens)  # H, token mean
+        loss = loss - c_ent * ent  # Eq. (12) −c_H·H
+        metrics["entropy"] = float(ent.detach())
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics

@@ -1,0 +1,75 @@
+"""The game generator: real scenes in, official-layout games out, walkthroughs that win in the engine."""
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import alfworld_gen as G  # noqa: E402
+
+
+def test_mangle_matches_alfred_ids():
+    # The REFERENCES example, character by character.
+    assert G.mangle("Apple|-01.50|+00.90|+00.30") == \
+        "Apple_bar__minus_01_dot_50_bar__plus_00_dot_90_bar__plus_00_dot_30"
+
+
+def test_scene_split_disjoint():
+    train, unseen = set(G.scenes_for("train")), set(G.scenes_for("valid_unseen"))
+    assert len(train) == 96 and len(unseen) == 24 and not train & unseen
+    assert set(G.scenes_for("valid_seen")) == train
+
+
+def test_sample_is_deterministic_and_small_room_size():
+    scene = G.load_scene(10)  # a real kitchen: 'Microwave' and 'Fridge' are in it
+    a = G.sample_game(scene, "pick_heat_then_place_in_recep", random.Random(3), "small", 3)
+    b = G.sample_game(scene, "pick_heat_then_place_in_recep", random.Random(3), "small", 3)
+    assert a is not None and a == b
+    assert 5 <= len(a.receptacles) <= 8
+    assert any(G.rtype(r) == "Microwave" for r in a.receptacles)
+    # every object sits in a receptacle of the room that canContain it
+    can = G._can_contain()
+    for o, r in a.placement.items():
+        assert r in a.receptacles and o.split("|")[0] in can[G.rtype(r)]
+    prob = G.problem_pddl(a, "p")
+    assert "(canContain" in prob and "(heatable" in prob and "(:goal" in prob
+
+
+def test_generate_split_writes_official_layout_and_walkthroughs_win(tmp_path):
+    paths = G.generate_split(tmp_path, "train", 6, "small", seed=5, verbose=False)
+    assert len(paths) == 6
+    types = set()
+    for p in paths:
+        assert p.name == "game.tw-pddl" and p.parent.parent.parent.name == "train"
+        game = json.loads(p.read_text())
+        assert set(game) >= {"pddl_domain", "grammar", "pddl_problem", "solvable", "walkthrough"}
+        traj = json.loads((p.parent / "traj_data.json").read_text())
+        types.add(traj["task_type"])
+        assert traj["turk_annotations"]["anns"][0]["task_desc"] in game["grammar"]
+        wt = json.loads((p.parent / "walkthrough.json").read_text())
+        assert [s["action"] for s in wt["steps"][:-1]] == game["walkthrough"]
+    assert types == set(G.TASK_TYPES)  # the generator cycles through the six types
+    res = G.verify(tmp_path, verbose=False)
+    assert res == {"games": 6, "won": 6, "failed": []}
+    # Same seed, same games, byte for byte.
+    again = G.generate_split(tmp_path / "again", "train", 2, "small", seed=5, verbose=False)
+    assert [q.read_text() for q in again] == [q.read_text() for q in paths[:2]]
+
+
+def test_loads_with_alfworlds_own_collector(tmp_path):
+    from alfworld.agents.environment.alfred_tw_env import AlfredTWEnv
+    G.generate_split(tmp_path, "valid_unseen", 2, "small", seed=1, verbose=False)
+    cfg = {"env": {"goal_desc_human_anns_prob": 0, "task_types": [1, 2, 3, 4, 5, 6]},
+           "dataset": {"eval_ood_data_path": str(tmp_path / "json_2.1.1" / "valid_unseen"), "num_eval_games": -1},
+           "general": {"training_method": "dqn"}}
+    env = AlfredTWEnv(cfg, train_eval="eval_out_of_distribution")
+    assert env.num_games == 2
+
+
+def test_bad_room_and_missing_root(tmp_path):
+    with pytest.raises(ValueError, match="room"):
+        G.generate_split(tmp_path, "train", 1, "huge", seed=0, verbose=False)
+    with pytest.raises(FileNotFoundError, match="no games"):
+        G.verify(tmp_path / "nothing", verbose=False)
