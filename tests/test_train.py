@@ -1,0 +1,108 @@
+"""The real entry point, run tiny: one process, two gloo ranks under torchrun, resume, bad config."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train as T  # noqa: E402
+
+TINY = ["--sft_steps", "40", "--steps", "2", "--tasks_per_step", "2", "--group_size", "2",
+        "--eval_games", "2", "--max_turns", "4", "--mini_batch", "8", "--micro_batch", "4",
+        "--save_every", "1", "--lr", "2e-4", "--tiny_hidden", "64", "--max_new_tokens", "24"]
+
+
+def _state(run: Path):
+    return torch.load(run / "ckpt" / "state.pt", map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--group_size", "1"], "--group_size"),
+    (["--steps", "-1"], "--steps"),
+    (["--micro_batch", "0"], "--micro_batch"),
+    (["--algo", "ppo"], "--algo"),
+    (["--model", "nonexistent-model"], "--model"),
+    (["--sft_data", "/no/such/file.jsonl"], "--sft_data"),
+    (["--top_p", "0"], "--top_p"),
+])
+def test_bad_config_fails_before_compute_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(argv)
+    assert flag in str(e.value)
+
+
+def test_missing_data_root_is_a_clear_error(tmp_path):
+    with pytest.raises(Exception, match="json_2.1.1|not found|does not exist"):
+        T.main(["--data_root", str(tmp_path / "nope"), "--out_dir", str(tmp_path)])
+
+
+def test_collate_masks_exactly_the_response_tokens():
+    ids, attn, tgt, mask = T.collate([([5, 6, 7], [8, 9]), ([5], [8])], pad_id=0, device="cpu")
+    # sample 0: x = 5 6 7 8 9; positions 2 and 3 predict 8 and 9
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 8, 0, 0, 0]]
+    assert mask.tolist() == [[0, 0, 1, 1, 0], [1, 0, 0, 0, 0]]
+    assert tgt[0, 2].item() == 8 and tgt[0, 3].item() == 9 and tgt[1, 0].item() == 8
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+
+
+def test_sft_jsonl_loader(tmp_path):
+    p = tmp_path / "sft.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+                 + "\n" + json.dumps({"prompt": "q2", "response": "a2"}) + "\n")
+    assert T.load_sft_jsonl(str(p)) == [("q", "a"), ("q2", "a2")]
+    p.write_text("{not json}\n")
+    with pytest.raises(SystemExit, match="sft.jsonl:1"):
+        T.load_sft_jsonl(str(p))
+
+
+def test_single_process_run_and_exact_resume(tmp_path):
+    full = T.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "full"])
+    run = tmp_path / "full"
+    assert {"eval/success_at_start", "eval/success", "config"} <= set(full)
+    assert (run / "summary.json").exists() and (run / "curves.png").exists()
+    assert (run / "final" / "config.json").exists()
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/success" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    st = _state(run)
+    assert st["step"] == 2
+    # RL changed the parameters: the final policy differs from the reference (= warm start).
+    changed = [k for k, v in st["model"].items() if not torch.equal(v, st["extra"]["ref"][k])]
+    assert changed
+
+    # Interrupted after step 1 (a run with --steps 1), then resumed to 2: same step-2 result.
+    T.main(TINY[:3] + ["1"] + TINY[4:] + ["--out_dir", str(tmp_path), "--run_name", "cut"])
+    T.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "cut"])
+    rows_cut = [json.loads(l) for l in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    s2 = [r for r in rows_cut if r.get("step") == 2 and "train/success" in r]
+    assert len(s2) == 1
+    for k in ("train/turns", "train/reward", "loss", "pg/ratio_mean", "kl/k3"):
+        assert s2[0][k] == pytest.approx(steps[1][k], rel=1e-5, abs=1e-7), k
+    st_cut = _state(tmp_path / "cut")
+    for k, v in st["model"].items():
+        assert torch.allclose(v, st_cut["model"][k], atol=1e-6), k
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_torchrun_two_cpu_ranks(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           str(ROOT / "train.py"), *TINY, "--env_workers", "1", "--out_dir", str(tmp_path), "--run_name", "ddp"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "ddp"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["config"]["tasks_per_step"] == 2 and "eval/success" in summary
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/success" in r]
+    assert len(steps) == 2 and all(r["update/grad_norm"] > 0 for r in steps)
+    # both ranks rolled out: 2 tasks x 2 episodes, one task per rank
+    st = _state(run)
+    changed = [k for k, v in st["model"].items() if not torch.equal(v, st["extra"]["ref"][k])]
+    assert changed

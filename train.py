@@ -1,0 +1,723 @@
+"""RSIPO trainer: torchrun / FSDP2, SFT warm start, the RL loop, evaluation, checkpoints, logging.
+
+Run (CPU default, tiny model on the shipped generated ALFWorld games, ~10-15 min on 2 cores):
+    python train.py
+Two CPU ranks (the real sharded path, gloo):
+    torchrun --nproc_per_node 2 train.py --run_name ddp2 --steps 2 --sft_steps 20 --eval_games 6
+GPU (see README for the full recipes):
+    torchrun --nproc_per_node 8 train.py --model Qwen/Qwen2.5-7B-Instruct --data_root ~/.cache/alfworld ...
+
+The loop is flat, with named sections in the order of DESIGN §4:
+    rollout → skills → replay → trust → teacher scoring → update → weight sync → log/eval/save
+This file implements the GRPO backbone (DESIGN §2 steps 1, 2, 8); `--algo` selects the
+algorithm; the skill / replay / trust / teacher sections run only for the algorithms that use them.
+
+Choices, all **[ours]**:
+1. Rollouts use a separate, unsharded copy of the policy per rank (the "rollout weights"), synced
+   from the FSDP2 model after every update, the CPU analogue of pushing weights into vLLM. The
+   same copy gives the old log-probs (it *is* π_old), so no-grad passes never need FSDP
+   collectives and ranks may generate different numbers of turns.
+2. Ranks pad the update to the same number of micro-batches (empty micro-batches contribute 0),
+   because FSDP2 needs every rank to run the same number of forward/backward passes.
+3. `--model tiny`: a 2-layer Qwen2 (hidden 128) with a word-level tokenizer trained on the games'
+   text, and a warm start by behaviour cloning of the games' engine-verified walkthroughs (no
+   downloads). `--constrained` decoding (tiny preset only, see rollout.py) is on by default for it.
+4. RL tasks are sampled uniformly from the training games each step (seeded).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import rsipo
+from envs import EnvPool, build_prompt, list_games, task_from_intro
+from rollout import HFEngine, Turn, run_episodes, chat_ids
+
+HERE = Path(__file__).resolve().parent
+
+
+def arg(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Args:
+    # --- run ---
+    run_name: str = arg("default", "name of the run; outputs go to <out_dir>/<run_name>/")
+    out_dir: str = arg("runs", "folder for runs")
+    seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
+    algo: str = arg("grpo", "grpo | opsd | rsipo (DESIGN §2 ablations)")
+    resume: bool = arg(True, "resume from <run>/ckpt if it exists")
+    wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
+    # --- model ---
+    model: str = arg("tiny", "'tiny' (Qwen2 from a config, trained tokenizer) or a HF name / local path")
+    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16")
+    tiny_hidden: int = arg(128, "tiny model: hidden size")
+    tiny_layers: int = arg(2, "tiny model: decoder blocks")
+    # --- data / env ---
+    env: str = arg("alfworld", "alfworld")
+    data_root: str = arg("data/alfworld", "folder holding json_2.1.1/{train,valid_seen,valid_unseen}")
+    train_split: str = arg("train", "split the RL tasks come from")
+    eval_split: str = arg("valid_unseen", "held-out split for evaluation")
+    task_types: str = arg("all", "comma list of pick,look,clean,heat,cool,pick2 or 'all'")
+    max_turns: int = arg(20, "episode cap in turns (ALFWorld papers: 30-50; tiny default 20)")
+    history_len: int = arg(2, "last H (observation, action) pairs in the prompt (papers: 2-5)")
+    env_workers: int = arg(2, "env worker processes per rank")
+    # --- RL ---
+    steps: int = arg(12, "RL steps")
+    tasks_per_step: int = arg(8, "B: tasks per step (over all ranks)")
+    group_size: int = arg(8, "N: episodes per task (GRPO group)")
+    lr: float = arg(2e-4, "RL learning rate (papers: 1e-6 for 7B; the tiny model needs more)")
+    clip_eps: float = arg(0.2, "ε of the clipped surrogate, Eq. (10)")
+    c_kl: float = arg(0.01, "coefficient of the k3 KL to the reference model, Eq. (12)")
+    c_ent: float = arg(0.001, "entropy bonus coefficient, Eq. (12)")
+    p_fmt: float = arg(0.1, "format penalty per turn without a parsable action (ALFWorld 0.1)")
+    r_win: float = arg(10.0, "reward for a won episode (ALFWorld 10)")
+    temperature: float = arg(1.0, "rollout sampling temperature")
+    top_p: float = arg(1.0, "rollout top-p")
+    max_new_tokens: int = arg(48, "max response tokens per turn (papers: 512)")
+    max_prompt_tokens: int = arg(2048, "prompts are truncated from the left to this length")
+    mini_batch: int = arg(256, "turn-samples per optimizer step (over all ranks); one epoch per RL step")
+    micro_batch: int = arg(32, "turn-samples per forward/backward on one rank")
+    grad_clip: float = arg(1.0, "gradient norm clip")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    constrained: Optional[bool] = arg(None, "[ours] decode only admissible actions (default: on for tiny only)")
+    # --- SFT warm start ---
+    sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)")
+    sft_steps: int = arg(300, "SFT optimizer steps (0 = skip)")
+    sft_lr: float = arg(2e-3, "SFT learning rate (SEED: 5e-6 for 7B)")
+    sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
+    # --- eval / save ---
+    eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
+    eval_temperature: float = arg(0.0, "eval sampling temperature (0 = greedy; papers: 0.4)")
+    eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
+    save_every: int = arg(4, "checkpoint every k RL steps")
+
+    def validate(self):
+        def bad(flag, why):
+            raise SystemExit(f"error: --{flag} {why}")
+        if self.algo not in ("grpo", "opsd", "rsipo"):
+            bad("algo", f"must be grpo, opsd or rsipo, got {self.algo!r}")
+        for f in ("steps", "sft_steps", "eval_games", "eval_every", "save_every"):
+            if getattr(self, f) < 0:
+                bad(f, f"must be >= 0, got {getattr(self, f)}")
+        for f in ("tasks_per_step", "max_turns", "max_new_tokens", "mini_batch", "micro_batch",
+                  "sft_batch", "env_workers", "history_len", "tiny_hidden", "tiny_layers"):
+            if getattr(self, f) < (0 if f == "history_len" else 1):
+                bad(f, f"must be positive, got {getattr(self, f)}")
+        if self.group_size < 2:
+            bad("group_size", f"must be >= 2 (a group of 1 has no advantage), got {self.group_size}")
+        if not (self.lr > 0 and self.sft_lr > 0):
+            bad("lr", "and --sft_lr must be > 0")
+        if self.sft_data and not Path(self.sft_data).is_file():
+            bad("sft_data", f"file not found: {self.sft_data}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            bad("dtype", f"must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.model != "tiny" and not Path(self.model).exists() and "/" not in self.model:
+            bad("model", f"unknown model {self.model!r}: use 'tiny', a Hugging Face name (org/name) or a local path")
+        if self.env != "alfworld":
+            bad("env", f"unknown env {self.env!r}")
+        if not (0 < self.top_p <= 1):
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+def parse_args(argv=None) -> Args:
+    p = argparse.ArgumentParser(description="RSIPO trainer (see the module docstring)")
+    for f in dataclasses.fields(Args):
+        t = f.type if not isinstance(f.type, str) else eval(f.type)
+        if t is bool or t == Optional[bool]:
+            p.add_argument(f"--{f.name}", type=lambda s: s.lower() in ("1", "true", "yes", "on"),
+                           default=f.default, help=f.metadata["help"])
+        else:
+            p.add_argument(f"--{f.name}", type=t, default=f.default, help=f.metadata["help"])
+    a = Args(**vars(p.parse_args(argv)))
+    a.validate()
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed helpers (at the edges)
+# ---------------------------------------------------------------------------------------------
+
+def dist_setup():
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return rank, world
+
+
+RANK, WORLD = 0, 1
+
+
+def print0(*a, **k):
+    if RANK == 0:
+        print(*a, **k, flush=True)
+
+
+def all_reduce(x: float | list[float], op="sum") -> np.ndarray:
+    t = torch.tensor(np.atleast_1d(np.asarray(x, dtype=np.float64)))
+    if dist.is_initialized():
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.numpy()
+
+
+def all_gather_obj(x):
+    if not dist.is_initialized():
+        return [x]
+    out = [None] * WORLD
+    dist.all_gather_object(out, x)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and tokenizer
+# ---------------------------------------------------------------------------------------------
+
+SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<action>", "</action>"]
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                      "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def train_tiny_tokenizer(texts: list[str]):
+    """Word-level tokenizer over the environment's text (no downloads) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tk.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=SPECIALS, min_frequency=1))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
+                                  eos_token="<|im_end|>", bos_token="<|im_start|>")
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS[4:]})
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_model(vocab_size: int, args: Args):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=args.tiny_hidden, intermediate_size=4 * args.tiny_hidden,
+                      num_hidden_layers=args.tiny_layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0)
+    return Qwen2ForCausalLM(cfg)
+
+
+def walkthrough_samples(gamefiles: list[str], history_len: int) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed)."""
+    out = []
+    for g in gamefiles:
+        wt = Path(g).with_name("walkthrough.json")
+        if not wt.exists():
+            continue
+        d = json.loads(wt.read_text())
+        task = task_from_intro(d["steps"][0]["obs"])   # the env's own task sentence (with its period)
+        hist: list[tuple[str, str]] = []
+        for s in d["steps"]:
+            if s["action"] is None:
+                break
+            adm = [a for a in s["admissible"] if a != "help"]
+            out.append((build_prompt(task, s["obs"], adm, hist, history_len=history_len),
+                        f"<think> </think> <action> {s['action']} </action>"))
+            hist.append((s["obs"], s["action"]))
+    return out
+
+
+def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str]):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if args.model == "tiny":
+        tok_dir = run_dir / "tokenizer"
+        if (tok_dir / "tokenizer.json").exists():
+            from transformers import PreTrainedTokenizerFast
+            tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+        else:
+            from skills import analyzer_prompt
+            texts = [p + " " + r for p, r in walkthrough_samples(train_games, args.history_len)]
+            texts.append(analyzer_prompt("task", True, [("obs", "act")]) + " Skill for this task: [ ] user assistant system")
+            tok = train_tiny_tokenizer(texts)
+            if RANK == 0:
+                tok.save_pretrained(tok_dir)
+        torch.manual_seed(args.seed)
+        model = tiny_model(len(tok), args)
+    else:
+        tok = AutoTokenizer.from_pretrained(args.model)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        dtype = {"auto": torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+                 "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    return model, tok
+
+
+def shard(model):
+    """FSDP2: fully_shard every decoder block, then the root (only when running distributed)."""
+    if not dist.is_initialized():
+        return model
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    mp = None
+    if torch.cuda.is_available():
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"mp_policy": mp} if mp else {}
+    for block in model.model.layers:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def full_state(model) -> dict:
+    """Full (unsharded) state dict on every rank, on CPU; a collective under FSDP2 (all ranks call it)."""
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        return {k: v.detach().cpu() for k, v in sd.items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: turns → padded tensors
+# ---------------------------------------------------------------------------------------------
+
+def collate(samples: list[tuple[list[int], list[int]]], pad_id: int, device):
+    """(prompt_ids, response_ids) → input_ids [B, T], targets [B, T], loss mask [B, T] (right-padded)."""
+    T = max(len(p) + len(r) for p, r in samples)
+    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), T), dtype=torch.long)
+    mask = torch.zeros((len(samples), T), dtype=torch.float32)
+    for b, (p, r) in enumerate(samples):
+        x = p + r
+        ids[b, :len(x)] = torch.tensor(x)
+        attn[b, :len(x)] = 1
+        mask[b, len(p) - 1:len(x) - 1] = 1.0   # position t predicts token t+1: the response tokens
+    targets = torch.roll(ids, -1, dims=1)
+    return ids.to(device), attn.to(device), targets.to(device), mask.to(device)
+
+
+def token_logprobs_of(model, ids, attn, targets, with_entropy=False):
+    logits = model(input_ids=ids, attention_mask=attn).logits                # [B, T, V]
+    lp = rsipo.token_logprobs(logits, targets)                               # [B, T] fp32
+    ent = rsipo.entropy_from_logits(logits) if with_entropy else None
+    return lp, ent
+
+
+@torch.no_grad()
+def score_tokens(model, samples, pad_id, device, micro_batch) -> list[torch.Tensor]:
+    """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)]."""
+    out = []
+    for i in range(0, len(samples), micro_batch):
+        chunk = samples[i:i + micro_batch]
+        ids, attn, tgt, mask = collate(chunk, pad_id, device)
+        lp, _ = token_logprobs_of(model, ids, attn, tgt)
+        for b, (p, r) in enumerate(chunk):
+            out.append(lp[b, len(p) - 1:len(p) - 1 + len(r)].float().cpu())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints (atomic) and logging
+# ---------------------------------------------------------------------------------------------
+
+def save_checkpoint(run_dir: Path, model, opt, step: int, args: Args, extra: dict):
+    """Write <run>/ckpt atomically: a temp folder renamed over the old one. Collective under FSDP2."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, StateDictOptions
+    msd = full_state(model)
+    if dist.is_initialized():
+        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        osd = opt.state_dict()
+    rng = all_gather_obj({"python": random.getstate(), "numpy": np.random.get_state(),
+                          "torch": torch.get_rng_state()})
+    if RANK == 0:
+        tmp = run_dir / f"ckpt.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({"model": msd, "optim": osd, "step": step, "rng": rng, "extra": extra,
+                    "args": dataclasses.asdict(args)}, tmp / "state.pt")
+        (tmp / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+        old = run_dir / "ckpt.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if (run_dir / "ckpt").exists():
+            os.replace(run_dir / "ckpt", old)
+        os.replace(tmp, run_dir / "ckpt")
+        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
+    path = run_dir / "ckpt" / "state.pt"
+    if not path.exists():
+        old = run_dir / "ckpt.old" / "state.pt"   # interrupted between the two renames
+        if not old.exists():
+            return None
+        path = old
+    st = torch.load(path, map_location="cpu", weights_only=False)
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import (set_model_state_dict, set_optimizer_state_dict,
+                                                             StateDictOptions)
+        o = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        set_model_state_dict(model, st["model"], options=o)
+        set_optimizer_state_dict(model, opt, st["optim"], options=o)
+    else:
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optim"])
+    r = st["rng"][RANK] if RANK < len(st["rng"]) else st["rng"][0]
+    random.setstate(r["python"])
+    np.random.set_state(r["numpy"])
+    torch.set_rng_state(r["torch"])
+    return st
+
+
+def plot_curves(run_dir: Path, rows: list[dict]):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    s = [r["step"] for r in rows if "train/success" in r]
+    ax[0].plot(s, [r["train/success"] for r in rows if "train/success" in r], label="train rollouts")
+    ev = [r for r in rows if "eval/success" in r]
+    ax[0].plot([r["step"] for r in ev], [r["eval/success"] for r in ev], "o-", label="held-out eval")
+    ax[0].set_xlabel("RL step"), ax[0].set_ylabel("success"), ax[0].legend(), ax[0].set_ylim(0, 1)
+    ax[1].plot(s, [r["train/reward"] for r in rows if "train/reward" in r])
+    ax[1].set_xlabel("RL step"), ax[1].set_ylabel("mean episode reward")
+    fig.tight_layout()
+    fig.savefig(run_dir / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT and evaluation
+# ---------------------------------------------------------------------------------------------
+
+def load_sft_jsonl(path: str) -> list[tuple[str, str]]:
+    """Chat samples: {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} or {"prompt", "response"}."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            if "messages" in d:
+                m = d["messages"]
+                out.append((m[-2]["content"], m[-1]["content"]))
+            else:
+                out.append((d["prompt"], d["response"]))
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise SystemExit(f"error: --sft_data {path}:{n}: not a chat sample ({e})")
+    if not out:
+        raise SystemExit(f"error: --sft_data {path} holds no samples")
+    return out
+
+
+def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
+    """Behaviour cloning: token-mean cross-entropy on response tokens, AdamW with cosine decay."""
+    from tqdm import tqdm
+    rng = random.Random(args.seed + 17 * RANK)
+    enc = [(chat_ids(tok, p), tok.encode(" " + r, add_special_tokens=False)) for p, r in pairs]
+    enc = [(p[-args.max_prompt_tokens:], r) for p, r in enc]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, args.sft_steps))))
+    model.train()
+    bar = tqdm(range(args.sft_steps), desc="sft", disable=RANK != 0, mininterval=5)
+    for s in bar:
+        batch = [enc[rng.randrange(len(enc))] for _ in range(args.sft_batch)]
+        ids, attn, tgt, mask = collate(batch, tok.pad_token_id, device)
+        lp, _ = token_logprobs_of(model, ids, attn, tgt)
+        loss = -rsipo.masked_token_mean(lp, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        sched.step()
+        if s % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    return loss.item() if args.sft_steps else float("nan")
+
+
+def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> dict:
+    """Success on held-out games (one episode each), per task type; games are split across ranks."""
+    mine = games[RANK::WORLD]
+    eps = run_episodes(engine, pool, [{"gamefile": g} for g in mine], 1, history_len=args.history_len,
+                       temperature=args.eval_temperature, greedy=args.eval_temperature <= 0,
+                       constrained=constrained) if mine else []
+    rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps)) for e in eps]) for r in part]
+    out = {"eval/success": float(np.mean([w for _, w, _ in rows])) if rows else 0.0,
+           "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for *_, n in rows])) if rows else 0.0}
+    for t in sorted({t for t, _, _ in rows}):
+        out[f"eval/success_{t}"] = float(np.mean([w for tt, w, _ in rows if tt == t]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The RL update
+# ---------------------------------------------------------------------------------------------
+
+CONTRIB = {"loss", "pg/loss", "kl/k3", "entropy", "opsd/loss"}
+
+
+def update(model, opt, turns: list[Turn], adv: list[float], old_lp, ref_lp, args: Args, pad_id, device):
+    """One epoch over this rank's turn-samples in mini-batches; ranks run equal micro-batch counts."""
+    n_local = len(turns)
+    order = list(range(n_local))
+    random.shuffle(order)
+    per_rank_mb = max(1, args.mini_batch // WORLD)
+    n_mini = int(all_reduce(math.ceil(n_local / per_rank_mb), "max")[0])
+    # Metrics: loss terms are contributions (sum/n_tokens of the mini-batch): summed over
+    # micro-batches, averaged over mini-batches; other statistics are token-weighted means.
+    contrib: dict[str, float] = {}
+    wsum: dict[str, float] = {}
+    wtok = 0.0
+    metrics: dict[str, float] = {}
+    model.train()
+    for m in range(n_mini):
+        idx = order[m * per_rank_mb:(m + 1) * per_rank_mb]
+        n_tok = float(all_reduce(sum(sum(turns[i].loss_mask) for i in idx))[0]) / WORLD
+        n_micro = int(all_reduce(math.ceil(len(idx) / args.micro_batch), "max")[0])
+        opt.zero_grad(set_to_none=True)
+        for u in range(max(1, n_micro)):
+            sub = idx[u * args.micro_batch:(u + 1) * args.micro_batch]
+            empty = not sub
+            if empty:   # [ours] keep FSDP collectives in step: a dummy sample with zero weight
+                sub = [0] if turns else []
+            samples = [(turns[i].prompt_ids, turns[i].response_ids) for i in sub]
+            ids, attn, tgt, mask = collate(samples, pad_id, device)
+            if empty:
+                mask = mask * 0
+            lp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)
+            old = torch.zeros_like(lp)
+            ref = torch.zeros_like(lp)
+            A = torch.zeros(lp.shape[0], device=device)
+            for b, i in enumerate(sub):
+                p, r = len(turns[i].prompt_ids), len(turns[i].response_ids)
+                old[b, p - 1:p - 1 + r] = old_lp[i].to(device)
+                if ref_lp is not None:
+                    ref[b, p - 1:p - 1 + r] = ref_lp[i].to(device)
+                A[b] = adv[i]
+            loss, mt = rsipo.rsipo_loss(lp, old.detach(), A, mask, entropy=ent,
+                                        ref_logp=ref.detach() if ref_lp is not None else None,
+                                        clip_eps=args.clip_eps, c_kl=args.c_kl, c_ent=args.c_ent,
+                                        n_tokens=max(n_tok, 1.0))
+            loss.backward()
+            n_loc = float(mask.sum())
+            wtok += n_loc
+            for k, v in mt.items():
+                if k in CONTRIB:
+                    contrib[k] = contrib.get(k, 0.0) + float(v) / n_mini
+                elif k != "n_tokens":
+                    wsum[k] = wsum.get(k, 0.0) + float(v) * n_loc
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        if not torch.isfinite(gn):
+            print0(f"  non-finite grad norm ({float(gn)}): optimizer step skipped")
+            metrics["update/skipped"] = metrics.get("update/skipped", 0) + 1
+            opt.zero_grad(set_to_none=True)
+            continue
+        opt.step()
+        metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + float(gn) / n_mini
+    # across ranks: contributions are already scaled by the global token count; means by tokens
+    keys = sorted(contrib) + sorted(wsum)
+    vals = all_reduce([contrib[k] for k in sorted(contrib)] + [wsum[k] for k in sorted(wsum)] + [wtok])
+    for i, k in enumerate(keys):
+        metrics[k] = float(vals[i]) / WORLD if k in contrib else float(vals[i]) / max(1.0, float(vals[-1]))
+    metrics["update/mini_batches"] = n_mini
+    metrics["update/tokens"] = float(vals[-1])
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    global RANK, WORLD
+    args = parse_args(argv)
+    RANK, WORLD = dist_setup()
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, WORLD)))
+    random.seed(args.seed + RANK)
+    np.random.seed(args.seed + RANK)
+    torch.manual_seed(args.seed)
+    run_dir = Path(args.out_dir) / args.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    types = None if args.task_types == "all" else args.task_types.split(",")
+    train_games = list_games(args.data_root, args.train_split, types)
+    eval_games = list_games(args.data_root, args.eval_split, types)
+    if args.eval_games:   # round-robin over task types so that any prefix covers all of them
+        from envs import game_task_type
+        by_type: dict[str, list[str]] = {}
+        for g in eval_games:
+            by_type.setdefault(game_task_type(g), []).append(g)
+        rr = [g for group in zip(*[by_type[t] + [None] * (len(eval_games) - len(by_type[t])) for t in sorted(by_type)])
+              for g in group if g is not None]
+        eval_games = rr[:args.eval_games]
+    if args.tasks_per_step < WORLD:
+        raise SystemExit(f"error: --tasks_per_step {args.tasks_per_step} must be >= the number of ranks ({WORLD})")
+    constrained = args.constrained if args.constrained is not None else args.model == "tiny"
+    print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={WORLD} device={device} "
+           f"train games={len(train_games)} eval games={len(eval_games)} constrained={constrained}")
+
+    # ---------------- model, rollout copy, reference ----------------
+    model, tok = load_model_and_tokenizer(args, run_dir, train_games)
+    model.to(device)
+    import copy
+    rollout_model = copy.deepcopy(model).eval()      # [ours] unsharded rollout weights (π_old)
+    for p in rollout_model.parameters():
+        p.requires_grad_(False)
+    engine = HFEngine(rollout_model, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens)
+    pool = EnvPool(num_workers=args.env_workers, max_steps=args.max_turns)
+    summary: dict = {"config": dataclasses.asdict(args)}
+    rows: list[dict] = []
+    metrics_path = run_dir / "metrics.jsonl"
+
+    def sync_rollout_weights():
+        rollout_model.load_state_dict(full_state(model))
+
+    try:
+        opt = None
+        state = None
+        if args.resume and (run_dir / "ckpt" / "state.pt").exists():
+            model = shard(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+            state = load_checkpoint(run_dir, model, opt)
+            summary.update(state["extra"].get("summary", {}))
+            if metrics_path.exists():
+                rows = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
+                rows = [r for r in rows if r.get("step", 0) <= state["step"]]
+            print0(f"resumed from {run_dir / 'ckpt'} at step {state['step']}")
+        else:
+            # ---------------- SFT warm start ----------------
+            pairs = load_sft_jsonl(args.sft_data) if args.sft_data else (
+                walkthrough_samples(train_games, args.history_len) if args.model == "tiny" else [])
+            if pairs and args.sft_steps:
+                t0 = time.time()
+                model = shard(model)
+                loss = sft(model, tok, pairs, args, device)
+                print0(f"sft: {len(pairs)} samples, {args.sft_steps} steps, final loss {loss:.4f}, {time.time() - t0:.0f}s")
+                summary["sft/final_loss"] = loss
+            else:
+                model = shard(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+            sync_rollout_weights()
+            t0 = time.time()
+            ev = evaluate(engine, pool, eval_games, args, constrained)
+            summary["eval/success_at_start"] = ev["eval/success"]
+            summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
+            print0(f"eval before RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} games ({time.time() - t0:.0f}s)")
+            rows.append({"step": 0, **ev})
+        ref_model = None
+        if args.c_kl > 0:
+            ref_model = copy.deepcopy(rollout_model).eval()   # frozen reference = the warm-started policy
+            if state is not None and "ref" in state["extra"]:
+                ref_model.load_state_dict(state["extra"]["ref"])
+        sync_rollout_weights()
+        start = state["step"] if state else 0
+        task_rng = random.Random(args.seed * 7919 + 1)
+        for _ in range(start):   # replay the task sampler so a resumed run draws the same tasks
+            task_rng.sample(range(len(train_games)), min(args.tasks_per_step, len(train_games)))
+
+        from tqdm import tqdm
+        bar = tqdm(range(start, args.steps), desc="rl", disable=RANK != 0, initial=start, total=args.steps)
+        for step in bar:
+            t_step, times = time.time(), {}
+            # ---------------- rollout ----------------
+            t = time.time()
+            picks = task_rng.sample(range(len(train_games)), min(args.tasks_per_step, len(train_games)))
+            mine = picks[RANK::WORLD]
+            tasks = [{"gamefile": train_games[i]} for i in mine]
+            eps = run_episodes(engine, pool, tasks, args.group_size, history_len=args.history_len,
+                               temperature=args.temperature, constrained=constrained,
+                               group_offset=RANK * 10_000)
+            times["rollout"] = time.time() - t
+            turns = [tr for e in eps for tr in e.turns]
+            # Eq. (1): group advantage over turn-samples, format penalty per invalid turn
+            ep_of = {e.episode_id: e for e in eps}
+            R = torch.tensor([ep_of[tr.episode_id].reward for tr in turns])          # [T]
+            inv = torch.tensor([tr.invalid for tr in turns])                          # [T]
+            gid = torch.tensor([tr.group_id for tr in turns])                         # [T]
+            scores = rsipo.turn_scores(R, inv, args.p_fmt)
+            adv = rsipo.group_advantages(scores, gid).tolist() if turns else []      # Eq. (1)
+            # ---------------- skills / replay / trust / teacher scoring ----------------
+            # (RSIPO sections: see the RSIPO issue; grpo runs none of them)
+            # ---------------- old and reference log-probs ----------------
+            t = time.time()
+            samples = [(tr.prompt_ids, tr.response_ids) for tr in turns]
+            old_lp = score_tokens(rollout_model, samples, tok.pad_token_id, device, args.micro_batch)
+            ref_lp = score_tokens(ref_model, samples, tok.pad_token_id, device, args.micro_batch) if ref_model else None
+            times["old_ref_logp"] = time.time() - t
+            # ---------------- update ----------------
+            t = time.time()
+            um = update(model, opt, turns, adv, old_lp, ref_lp, args, tok.pad_token_id, device)
+            times["update"] = time.time() - t
+            # ---------------- weight sync ----------------
+            t = time.time()
+            sync_rollout_weights()
+            times["sync"] = time.time() - t
+            # ---------------- log / eval / save ----------------
+            stats = all_reduce([sum(e.won for e in eps), len(eps), sum(e.reward for e in eps),
+                                sum(tr.invalid for tr in turns), len(turns), sum(e.error is not None for e in eps)])
+            row = {"step": step + 1, "train/success": stats[0] / max(1, stats[1]),
+                   "train/reward": stats[2] / max(1, stats[1]), "train/invalid_frac": stats[3] / max(1, stats[4]),
+                   "train/turns": int(stats[4]), "train/env_errors": int(stats[5]),
+                   **um,
+                   **{f"time/{k}": v for k, v in times.items()}}
+            if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+                row.update(evaluate(engine, pool, eval_games, args, constrained))
+            row["time/step"] = time.time() - t_step
+            rows.append(row)
+            if RANK == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                bar.write(f"step {step + 1:4d} | success {row['train/success']:.3f} | reward {row['train/reward']:.2f} "
+                          f"| invalid {row['train/invalid_frac']:.3f} | kl {row.get('kl/k3', 0):.4f} "
+                          f"| {row['time/step']:.0f}s (rollout {times['rollout']:.0f}s)")
+                if args.wandb:
+                    import wandb
+                    if wandb.run is None:
+                        wandb.init(project="rsipo", name=args.run_name, config=dataclasses.asdict(args))
+                    wandb.log(row, step=step + 1)
+            if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+                extra = {"summary": {k: v for k, v in summary.items() if k != "config"}}
+                if ref_model is not None:
+                    extra["ref"] = ref_model.state_dict()
+                save_checkpoint(run_dir, model, opt, step + 1, args, extra)
+
+        # ---------------- final eval and save ----------------
+        t0 = time.time()
+        ev = evaluate(engine, pool, eval_games, args, constrained)
+        print0(f"eval after RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} games ({time.time() - t0:.0f}s)")
+        summary.update(ev)
+        rows.append({"step": args.steps, **ev})
+        if RANK == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": args.steps, **ev}) + "\n")
+            plot_curves(run_dir, rows)
+            rollout_model.save_pretrained(run_dir / "final")
+            tok.save_pretrained(run_dir / "final")
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            print0(f"summary: success at start {summary.get('eval/success_at_start')} → end {summary['eval/success']} "
+                   f"| {run_dir / 'summary.json'}")
+    finally:
+        pool.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
