@@ -22,6 +22,8 @@ Choices the paper leaves open, made here **[ours]**:
    span (braces inside JSON strings ignored) that parses as a JSON object with key "skill" is
    used. A ```json fenced block is found by the same scan. Raw newlines/tabs inside JSON
    strings are accepted; a malformed span is skipped whole (its inner braces are not tried).
+   The key matches "skill" after stripping spaces and lowercasing (a word-level tokenizer
+   decodes `{"skill":` as `{" skill ":`).
 3. A skill is invalid (None) when it is not a non-empty string, has no letter or digit (e.g. an
    echoed "..." placeholder), is longer than `2 * max_words` words (huge), or more than 20% of
    its non-whitespace characters are non-ASCII (written in another language).
@@ -32,6 +34,11 @@ Choices the paper leaves open, made here **[ours]**:
    running mean of the raw gain, last shrunk gain. Over capacity it evicts the lowest shrunk gain
    (ties: the oldest). Non-finite gains are rejected. Entries keep the task id and step of the
    first time they were added.
+
+6. `rule_skill` is a rule-based annotator for the tiny CPU preset's warm start (the analogue of
+   the paper's skill-annotated SFT data, which a small model cannot get from an external LLM
+   here): a workflow written from the task type and its objects after a success, avoidance
+   rules after a failure.
 
 Test: `python -m pytest tests/test_skills.py -q`.
 """
@@ -148,8 +155,10 @@ def parse_skill(text: str, max_words: int = 80) -> str | None:
             obj = json.loads(span, strict=False)  # allow raw newlines inside strings
         except ValueError:
             continue
-        if isinstance(obj, dict) and "skill" in obj:
-            return _valid_skill(obj["skill"], max_words)
+        if isinstance(obj, dict):
+            key = next((k for k in obj if isinstance(k, str) and k.strip().lower() == "skill"), None)
+            if key is not None:
+                return _valid_skill(obj[key], max_words)
     return None
 
 
@@ -165,6 +174,41 @@ def _valid_skill(skill, max_words: int) -> str | None:
     if sum(not ch.isascii() for ch in chars) > NON_ASCII_MAX * len(chars):
         return None  # another language [ours]
     return skill
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule-based skills for the tiny warm start [ours]
+
+_TOOL = {"clean": ("sinkbasin", "clean"), "heat": ("microwave", "heat"), "cool": ("fridge", "cool")}
+
+
+def rule_skill(task_type: str, obj: str, recep: str = "", toggle: str = "", won: bool = True,
+               visited: list[str] | None = None) -> str:
+    """A short skill for an ALFWorld task (short type names: pick, look, clean, heat, cool, pick2).
+
+    After a success: the workflow, naming the receptacle where the object was found when known
+    (`visited[-1]`, the receptacle of the successful take). After a failure: avoidance rules.
+    """
+    obj, recep, toggle = obj.lower(), recep.lower(), toggle.lower()
+    find = f"go to each receptacle in the listed order, open it if closed, and take the {obj} when you see it"
+    if visited:
+        find = f"the {obj} was at {visited[-1]}; otherwise {find}"
+    if not won:
+        rule = f"do not repeat the same action or go back and forth; {find}"
+        if task_type == "look":
+            return f"{rule}; then go to the {toggle} and use it while holding the {obj}."
+        if task_type in _TOOL:
+            tool, verb = _TOOL[task_type]
+            return f"{rule}; {verb} it with the {tool} before you go to the {recep}."
+        return f"{rule}; do not take other objects; move it to the {recep}."
+    if task_type == "look":
+        return f"{find}; then go to the {toggle} and use the {toggle}."
+    if task_type in _TOOL:
+        tool, verb = _TOOL[task_type]
+        return f"{find}; go to the {tool} and {verb} the {obj} with it; then go to the {recep} and move the {obj} to it."
+    if task_type == "pick2":
+        return f"{find}; go to the {recep} and move it there; then find the second {obj} the same way and move it to the {recep}."
+    return f"{find}; then go to the {recep} and move the {obj} to it."
 
 
 # ---------------------------------------------------------------------------------------------

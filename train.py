@@ -44,7 +44,9 @@ import torch
 import torch.distributed as dist
 
 import rsipo
-from envs import EnvPool, build_prompt, list_games, task_from_intro
+import shrinkage
+from skills import SkillBank, analyzer_prompt, insert_skill, parse_skill, rule_skill
+from envs import EnvPool, TASK_TYPES, build_prompt, list_games, task_from_intro
 from rollout import HFEngine, Turn, run_episodes, chat_ids
 
 HERE = Path(__file__).resolve().parent
@@ -96,6 +98,18 @@ class Args:
     grad_clip: float = arg(1.0, "gradient norm clip")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     constrained: Optional[bool] = arg(None, "[ours] decode only admissible actions (default: on for tiny only)")
+    drop_zero_adv: bool = arg(True, "[ours] leave turn-samples with advantage 0 out of the update (no PG signal)")
+    # --- RSIPO (DESIGN §2 steps 3-9; ignored by --algo grpo) ---
+    trust: str = arg("eb", "teacher trust: eb (Eq. 6-9) | raw (no shrinkage) | one (λ ≡ 1, SEED-like)")
+    replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours])")
+    alpha: float = arg(0.01, "α: OPSD coefficient, Eq. (12)")
+    beta: float = arg(5.0, "β: gate sharpness, Eq. (11)")
+    eta: float = arg(0.1, "η: skill-writing loss coefficient, Eq. (12) [ours]")
+    r_bad: float = arg(-1.0, "skill reward of an unparsable skill [ours]")
+    skill_temperature: float = arg(1.0, "T_skill: sampling temperature of skill writing")
+    skill_max_tokens: int = arg(96, "max tokens of a skill-writing response")
+    skill_max_words: int = arg(80, "skill length asked for in the analyzer prompt (words)")
+    bank_capacity: int = arg(8, "skill bank: skills kept per task type")
     # --- SFT warm start ---
     sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)")
     sft_steps: int = arg(300, "SFT optimizer steps (0 = skip)")
@@ -103,7 +117,8 @@ class Args:
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
     # --- eval / save ---
     eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
-    eval_temperature: float = arg(0.0, "eval sampling temperature (0 = greedy; papers: 0.4)")
+    eval_temperature: float = arg(0.4, "eval sampling temperature (0 = greedy; papers: 0.4)")
+    eval_repeats: int = arg(2, "episodes per held-out game at evaluation (sampled eval is noisy)")
     eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
     save_every: int = arg(4, "checkpoint every k RL steps")
 
@@ -115,7 +130,14 @@ class Args:
         for f in ("steps", "sft_steps", "eval_games", "eval_every", "save_every"):
             if getattr(self, f) < 0:
                 bad(f, f"must be >= 0, got {getattr(self, f)}")
-        for f in ("tasks_per_step", "max_turns", "max_new_tokens", "mini_batch", "micro_batch",
+        if self.trust not in ("eb", "raw", "one"):
+            bad("trust", f"must be eb, raw or one, got {self.trust!r}")
+        if self.replay_m < 0:
+            bad("replay_m", f"must be >= 0, got {self.replay_m}")
+        for f in ("alpha", "eta"):
+            if getattr(self, f) < 0:
+                bad(f, f"must be >= 0, got {getattr(self, f)}")
+        for f in ("tasks_per_step", "eval_repeats", "skill_max_tokens", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens", "mini_batch", "micro_batch",
                   "sft_batch", "env_workers", "history_len", "tiny_hidden", "tiny_layers"):
             if getattr(self, f) < (0 if f == "history_len" else 1):
                 bad(f, f"must be positive, got {getattr(self, f)}")
@@ -219,8 +241,14 @@ def tiny_model(vocab_size: int, args: Args):
     return Qwen2ForCausalLM(cfg)
 
 
-def walkthrough_samples(gamefiles: list[str], history_len: int) -> list[tuple[str, str]]:
-    """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed)."""
+def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed).
+
+    skills=True [ours] adds the tiny analogue of the paper's skill-annotated warm start: for every
+    game an analyzer sample after the success (the rule-based workflow of `skills.rule_skill`),
+    one after a failure (the first half of the walkthrough, avoidance rules), and the walkthrough's
+    action turns with that workflow inserted as the skill (skill-conditioned acting).
+    """
     out = []
     for g in gamefiles:
         wt = Path(g).with_name("walkthrough.json")
@@ -228,13 +256,26 @@ def walkthrough_samples(gamefiles: list[str], history_len: int) -> list[tuple[st
             continue
         d = json.loads(wt.read_text())
         task = task_from_intro(d["steps"][0]["obs"])   # the env's own task sentence (with its period)
+        steps = [(s["obs"], s["action"]) for s in d["steps"] if s["action"] is not None]
+        skill = None
+        if skills:
+            traj = json.loads(Path(g).with_name("traj_data.json").read_text())
+            p, ttype = traj["pddl_params"], TASK_TYPES[traj["task_type"]]
+            took = [a.split(" from ", 1)[1] for _, a in steps if a.startswith("take ")]
+            skill = rule_skill(ttype, p["object_target"], p["parent_target"], p["toggle_target"], True, took[:1])
+            fail = rule_skill(ttype, p["object_target"], p["parent_target"], p["toggle_target"], False)
+            out.append((analyzer_prompt(task, True, steps), json.dumps({"skill": skill})))
+            out.append((analyzer_prompt(task, False, steps[:len(steps) // 2]), json.dumps({"skill": fail})))
         hist: list[tuple[str, str]] = []
         for s in d["steps"]:
             if s["action"] is None:
                 break
             adm = [a for a in s["admissible"] if a != "help"]
-            out.append((build_prompt(task, s["obs"], adm, hist, history_len=history_len),
-                        f"<think> </think> <action> {s['action']} </action>"))
+            prompt = build_prompt(task, s["obs"], adm, hist, history_len=history_len)
+            response = f"<think> </think> <action> {s['action']} </action>"
+            out.append((prompt, response))
+            if skill:
+                out.append((insert_skill(prompt, skill, f"Your task is to: {task}"), response))
             hist.append((s["obs"], s["action"]))
     return out
 
@@ -248,7 +289,7 @@ def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str]):
             tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
         else:
             from skills import analyzer_prompt
-            texts = [p + " " + r for p, r in walkthrough_samples(train_games, args.history_len)]
+            texts = [p + " " + r for p, r in walkthrough_samples(train_games, args.history_len, skills=True)]
             texts.append(analyzer_prompt("task", True, [("obs", "act")]) + " Skill for this task: [ ] user assistant system")
             tok = train_tiny_tokenizer(texts)
             if RANK == 0:
@@ -428,7 +469,7 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
     """Behaviour cloning: token-mean cross-entropy on response tokens, AdamW with cosine decay."""
     from tqdm import tqdm
     rng = random.Random(args.seed + 17 * RANK)
-    enc = [(chat_ids(tok, p), tok.encode(" " + r, add_special_tokens=False)) for p, r in pairs]
+    enc = [(chat_ids(tok, p), tok.encode(" " + r, add_special_tokens=False) + [tok.eos_token_id]) for p, r in pairs]
     enc = [(p[-args.max_prompt_tokens:], r) for p, r in enc]
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, args.sft_steps))))
@@ -450,9 +491,9 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
 
 
 def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> dict:
-    """Success on held-out games (one episode each), per task type; games are split across ranks."""
+    """Success on held-out games (`eval_repeats` episodes each), per task type; games split across ranks."""
     mine = games[RANK::WORLD]
-    eps = run_episodes(engine, pool, [{"gamefile": g} for g in mine], 1, history_len=args.history_len,
+    eps = run_episodes(engine, pool, [{"gamefile": g} for g in mine], args.eval_repeats, history_len=args.history_len,
                        temperature=args.eval_temperature, greedy=args.eval_temperature <= 0,
                        constrained=constrained) if mine else []
     rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps)) for e in eps]) for r in part]
@@ -470,56 +511,84 @@ def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> d
 CONTRIB = {"loss", "pg/loss", "kl/k3", "entropy", "opsd/loss"}
 
 
-def update(model, opt, turns: list[Turn], adv: list[float], old_lp, ref_lp, args: Args, pad_id, device):
-    """One epoch over this rank's turn-samples in mini-batches; ranks run equal micro-batch counts."""
-    n_local = len(turns)
-    order = list(range(n_local))
+@dataclass
+class Sample:
+    """One sequence of the update: a student turn or a skill-writing response (DESIGN §2.8)."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    adv: float                                  # Eq. (1) for turns, Eq. (5) for skills
+    old: torch.Tensor                           # [r] log π_old of the response tokens
+    ref: Optional[torch.Tensor] = None          # [r] log π_ref
+    teacher: Optional[torch.Tensor] = None      # [r] ℓ^T: same tokens, skill in the prompt (§2.7)
+    trust: float = 0.0                          # λ_q, Eq. (9)
+    skill: bool = False                         # a skill-writing sample: weight η, no teacher
+    turn: Optional[Turn] = None                 # the student turn it came from
+
+
+def _place(rows: list[torch.Tensor | None], samples: list[Sample], shape, device) -> torch.Tensor:
+    """Per-sample response vectors → a [B, T] tensor aligned with `collate`'s targets."""
+    out = torch.zeros(shape, device=device)
+    for b, (v, sm) in enumerate(zip(rows, samples)):
+        if v is not None:
+            p = len(sm.prompt_ids)
+            out[b, p - 1:p - 1 + len(sm.response_ids)] = v.to(device)
+    return out
+
+
+def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_teacher: bool):
+    """One epoch over this rank's samples in mini-batches (Eq. 10-12). Within a mini-batch the
+    student turns and the skill-writing samples each get their own token mean (rsipo.py note 3);
+    all ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
+    order = list(range(len(samples)))
     random.shuffle(order)
     per_rank_mb = max(1, args.mini_batch // WORLD)
-    n_mini = int(all_reduce(math.ceil(n_local / per_rank_mb), "max")[0])
+    n_mini = int(all_reduce(math.ceil(len(samples) / per_rank_mb), "max")[0])
     # Metrics: loss terms are contributions (sum/n_tokens of the mini-batch): summed over
     # micro-batches, averaged over mini-batches; other statistics are token-weighted means.
     contrib: dict[str, float] = {}
     wsum: dict[str, float] = {}
     wtok = 0.0
     metrics: dict[str, float] = {}
+    dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
     model.train()
     for m in range(n_mini):
-        idx = order[m * per_rank_mb:(m + 1) * per_rank_mb]
-        n_tok = float(all_reduce(sum(sum(turns[i].loss_mask) for i in idx))[0]) / WORLD
-        n_micro = int(all_reduce(math.ceil(len(idx) / args.micro_batch), "max")[0])
+        chunk = [samples[i] for i in order[m * per_rank_mb:(m + 1) * per_rank_mb]]
         opt.zero_grad(set_to_none=True)
-        for u in range(max(1, n_micro)):
-            sub = idx[u * args.micro_batch:(u + 1) * args.micro_batch]
-            empty = not sub
-            if empty:   # [ours] keep FSDP collectives in step: a dummy sample with zero weight
-                sub = [0] if turns else []
-            samples = [(turns[i].prompt_ids, turns[i].response_ids) for i in sub]
-            ids, attn, tgt, mask = collate(samples, pad_id, device)
-            if empty:
-                mask = mask * 0
-            lp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)
-            old = torch.zeros_like(lp)
-            ref = torch.zeros_like(lp)
-            A = torch.zeros(lp.shape[0], device=device)
-            for b, i in enumerate(sub):
-                p, r = len(turns[i].prompt_ids), len(turns[i].response_ids)
-                old[b, p - 1:p - 1 + r] = old_lp[i].to(device)
-                if ref_lp is not None:
-                    ref[b, p - 1:p - 1 + r] = ref_lp[i].to(device)
-                A[b] = adv[i]
-            loss, mt = rsipo.rsipo_loss(lp, old.detach(), A, mask, entropy=ent,
-                                        ref_logp=ref.detach() if ref_lp is not None else None,
-                                        clip_eps=args.clip_eps, c_kl=args.c_kl, c_ent=args.c_ent,
-                                        n_tokens=max(n_tok, 1.0))
-            loss.backward()
-            n_loc = float(mask.sum())
-            wtok += n_loc
-            for k, v in mt.items():
-                if k in CONTRIB:
-                    contrib[k] = contrib.get(k, 0.0) + float(v) / n_mini
-                elif k != "n_tokens":
-                    wsum[k] = wsum.get(k, 0.0) + float(v) * n_loc
+        for kind in (False, True):   # student turns, then skill-writing samples
+            part = [sm for sm in chunk if sm.skill == kind]
+            counts = all_reduce([sum(len(sm.response_ids) for sm in part), math.ceil(len(part) / args.micro_batch)])
+            n_tok, n_micro = float(counts[0]) / WORLD, int(all_reduce(counts[1], "max")[0])
+            for u in range(n_micro):
+                sub = part[u * args.micro_batch:(u + 1) * args.micro_batch]
+                empty = not sub
+                sub = sub or [dummy]   # [ours] keep FSDP collectives in step: zero-weight dummy
+                ids, attn, tgt, mask = collate([(sm.prompt_ids, sm.response_ids) for sm in sub], pad_id, device)
+                if empty:
+                    mask = mask * 0
+                lp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, T]
+                old = _place([sm.old for sm in sub], sub, lp.shape, device)
+                ref = _place([sm.ref for sm in sub], sub, lp.shape, device) if sub[0].ref is not None else None
+                teach = None
+                if use_teacher and not kind:
+                    teach = _place([sm.teacher for sm in sub], sub, lp.shape, device)
+                    # tasks without a teacher have λ = 0; their ℓ^T is set to ℓ (no signal either way)
+                    no_t = torch.tensor([sm.teacher is None for sm in sub], device=device)[:, None]
+                    teach = torch.where(no_t, lp.detach(), teach)
+                A = torch.tensor([sm.adv for sm in sub], device=device)                             # [B]
+                lam = torch.tensor([sm.trust for sm in sub], device=device)                         # [B]
+                loss, mt = rsipo.rsipo_loss(lp, old, A, mask, entropy=ent, ref_logp=ref, teacher_logp=teach,
+                                            trust=lam if teach is not None else None, clip_eps=args.clip_eps,
+                                            beta=args.beta, alpha=args.alpha, c_kl=args.c_kl, c_ent=args.c_ent,
+                                            pg_weight=args.eta if kind else 1.0, n_tokens=max(n_tok, 1.0))
+                loss.backward()
+                n_loc = float(mask.sum())
+                wtok += n_loc * (not kind)
+                for k, v in mt.items():
+                    k = f"skill_{k}" if kind else k
+                    if k.split("skill_")[-1] in CONTRIB:
+                        contrib[k] = contrib.get(k, 0.0) + float(v) / n_mini
+                    elif not k.endswith("n_tokens"):
+                        wsum[k] = wsum.get(k, 0.0) + float(v) * n_loc
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         if not torch.isfinite(gn):
@@ -530,12 +599,19 @@ def update(model, opt, turns: list[Turn], adv: list[float], old_lp, ref_lp, args
         opt.step()
         metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + float(gn) / n_mini
     # across ranks: contributions are already scaled by the global token count; means by tokens
-    keys = sorted(contrib) + sorted(wsum)
-    vals = all_reduce([contrib[k] for k in sorted(contrib)] + [wsum[k] for k in sorted(wsum)] + [wtok])
-    for i, k in enumerate(keys):
-        metrics[k] = float(vals[i]) / WORLD if k in contrib else float(vals[i]) / max(1.0, float(vals[-1]))
+    ks = sorted(contrib) + sorted(wsum)
+    tot = all_reduce([contrib[k] for k in sorted(contrib)] + [wsum[k] for k in sorted(wsum)] + [wtok])
+    wsum_tok = {}
+    for i, k in enumerate(ks):
+        if k in contrib:
+            metrics[k] = float(tot[i]) / WORLD
+        else:
+            wsum_tok[k] = float(tot[i])
+    n_skill_tok = float(all_reduce(sum(len(sm.response_ids) for sm in samples if sm.skill))[0])
+    for k, v in wsum_tok.items():
+        metrics[k] = v / max(1.0, n_skill_tok if k.startswith("skill_") else float(tot[-1]))
     metrics["update/mini_batches"] = n_mini
-    metrics["update/tokens"] = float(vals[-1])
+    metrics["update/tokens"] = float(tot[-1])
     return metrics
 
 
@@ -603,7 +679,8 @@ def main(argv=None):
         else:
             # ---------------- SFT warm start ----------------
             pairs = load_sft_jsonl(args.sft_data) if args.sft_data else (
-                walkthrough_samples(train_games, args.history_len) if args.model == "tiny" else [])
+                walkthrough_samples(train_games, args.history_len, skills=args.algo != "grpo")
+                if args.model == "tiny" else [])
             if pairs and args.sft_steps:
                 t0 = time.time()
                 model = shard(model)
@@ -628,6 +705,16 @@ def main(argv=None):
         sync_rollout_weights()
         start = state["step"] if state else 0
         task_rng = random.Random(args.seed * 7919 + 1)
+        skill_rng = random.Random(args.seed * 104729 + RANK)
+        bank = SkillBank(args.bank_capacity)
+        skill_means: dict = {}
+        if state is not None:
+            ex = state["extra"]
+            skill_means = ex.get("skill_means", {})
+            if ex.get("bank"):
+                bank = SkillBank.from_dict(ex["bank"])
+            if ex.get("skill_rng"):
+                skill_rng.setstate(ex["skill_rng"][RANK] if RANK < len(ex["skill_rng"]) else ex["skill_rng"][0])
         for _ in range(start):   # replay the task sampler so a resumed run draws the same tasks
             task_rng.sample(range(len(train_games)), min(args.tasks_per_step, len(train_games)))
 
@@ -646,23 +733,123 @@ def main(argv=None):
             times["rollout"] = time.time() - t
             turns = [tr for e in eps for tr in e.turns]
             # Eq. (1): group advantage over turn-samples, format penalty per invalid turn
-            ep_of = {e.episode_id: e for e in eps}
-            R = torch.tensor([ep_of[tr.episode_id].reward for tr in turns])          # [T]
+            R = torch.tensor([eps[tr.episode_id].reward for tr in turns])           # [T]
             inv = torch.tensor([tr.invalid for tr in turns])                          # [T]
             gid = torch.tensor([tr.group_id for tr in turns])                         # [T]
             scores = rsipo.turn_scores(R, inv, args.p_fmt)
             adv = rsipo.group_advantages(scores, gid).tolist() if turns else []      # Eq. (1)
-            # ---------------- skills / replay / trust / teacher scoring ----------------
-            # (RSIPO sections: see the RSIPO issue; grpo runs none of them)
-            # ---------------- old and reference log-probs ----------------
+            K, N = len(tasks), args.group_size
+            trust = [0.0] * K                     # λ_q of this rank's tasks (0 = no teacher signal)
+            skill_of: list[Optional[str]] = [None] * K
+            skill_samples: list[Sample] = []
+            sm_metrics: dict[str, float] = {}
+            if args.algo != "grpo":
+                # ---------------- skills (Eq. 2) ----------------
+                t = time.time()
+                chosen = []
+                for k in range(K):
+                    group = eps[k * N:(k + 1) * N]
+                    wins = [e for e in group if e.won]
+                    chosen.append(skill_rng.choice(wins or group))   # [ours] a success if any
+                an_prompts = [analyzer_prompt(e.task, e.won, e.steps, max_words=args.skill_max_words) for e in chosen]
+                gens = engine.generate(an_prompts, temperature=args.skill_temperature,
+                                       max_new_tokens=args.skill_max_tokens, stop=False)
+                skill_of = [parse_skill(g.text, args.skill_max_words) for g in gens]
+                retry = [k for k in range(K) if skill_of[k] is None]
+                if retry:   # one retry (DESIGN §2.3)
+                    for k, g in zip(retry, engine.generate([an_prompts[k] for k in retry], temperature=args.skill_temperature,
+                                                           max_new_tokens=args.skill_max_tokens, stop=False)):
+                        gens[k], skill_of[k] = g, parse_skill(g.text, args.skill_max_words)
+                times["skills"] = time.time() - t
+                # ---------------- replay (Eq. 3-4) ----------------
+                gain, var = [args.r_bad] * K, [0.0] * K
+                replay_ok = [s is not None for s in skill_of]
+                if args.algo == "rsipo":
+                    t = time.time()
+                    M = args.replay_m or max(1, N // 2)
+                    idx = [k for k in range(K) if skill_of[k] is not None]
+                    reps = run_episodes(engine, pool, [tasks[k] for k in idx], M, history_len=args.history_len,
+                                        skills={j: skill_of[k] for j, k in enumerate(idx)}, temperature=args.temperature,
+                                        constrained=constrained) if idx else []
+                    for j, k in enumerate(idx):
+                        rr = reps[j * M:(j + 1) * M]
+                        if any(e.error for e in rr):   # dropped from the trust estimate, counted
+                            replay_ok[k] = False
+                            continue
+                        gain[k], var[k] = shrinkage.replay_gain([e.reward for e in rr],
+                                                                [e.reward for e in eps[k * N:(k + 1) * N]], args.r_win)
+                    times["replay"] = time.time() - t
+                # ---------------- trust (Eq. 5-9) ----------------
+                types = [eps[k * N].task_type for k in range(K)]
+                rows_all = [r for part in all_gather_obj(list(zip(types, gain, var, [s is not None for s in skill_of], replay_ok)))
+                            for r in part]
+                offset = sum(all_gather_obj(K)[:RANK])   # this rank's first task in the gathered list
+                ok = [i for i, r in enumerate(rows_all) if r[4]]
+                lam_all, shrunk_all = np.zeros(len(rows_all)), np.array([r[1] for r in rows_all], dtype=float)
+                if args.algo == "opsd":
+                    lam_all[ok] = 1.0   # SEED/SDAR family: fresh skills, λ ≡ 1, no replay
+                elif ok:
+                    lam, info = shrinkage.teacher_trust([rows_all[i][1] for i in ok], [rows_all[i][2] for i in ok],
+                                                        [rows_all[i][0] for i in ok], mode=args.trust)
+                    lam_all[ok] = lam
+                    shrunk_all[ok] = info["mean"]
+                    sm_metrics["trust/shrink_mean"] = float(np.mean(info["shrink"]))
+                    sm_metrics["replay/gain_mean"] = float(np.mean([rows_all[i][1] for i in ok]))
+                    sm_metrics["replay/shrunk_gain_mean"] = float(np.mean(info["mean"]))
+                    for ty in sorted({rows_all[i][0] for i in ok}):
+                        sm_metrics[f"replay/gain_{ty}"] = float(np.mean([rows_all[i][1] for i in ok if rows_all[i][0] == ty]))
+                trust = [float(lam_all[offset + k]) for k in range(K)]
+                if args.algo == "rsipo":
+                    A_skill, skill_means = rsipo.skill_advantages(        # Eq. (5)
+                        torch.tensor([r[1] if r[3] else args.r_bad for r in rows_all], dtype=torch.float32),
+                        [r[0] for r in rows_all], torch.tensor([r[3] for r in rows_all]), r_bad=args.r_bad,
+                        running_means=skill_means)
+                    t_old = score_tokens(rollout_model, [(g.prompt_ids, g.token_ids) for g in gens], tok.pad_token_id,
+                                         device, args.micro_batch)
+                    t_ref = score_tokens(ref_model, [(g.prompt_ids, g.token_ids) for g in gens], tok.pad_token_id,
+                                         device, args.micro_batch) if ref_model else [None] * K
+                    skill_samples = [Sample(g.prompt_ids, g.token_ids, float(A_skill[offset + k]), t_old[k], t_ref[k],
+                                            skill=True) for k, g in enumerate(gens) if g.token_ids]
+                    for k in range(K):   # the bank keeps validated skills (ĝ > 0), DESIGN §2.10
+                        if skill_of[k] is not None and replay_ok[k] and shrunk_all[offset + k] > 0:
+                            bank.add(types[k], skill_of[k], gain[k], float(shrunk_all[offset + k]), tasks[k]["gamefile"], step + 1)
+                n_valid = sum(r[3] for r in rows_all)
+                sm_metrics.update({"skill/valid_frac": n_valid / max(1, len(rows_all)),
+                                   "skill/words": float(np.mean([len(s.split()) for s in skill_of if s] or [0])),
+                                   "skill/reward_mean": float(np.mean([r[1] if r[3] else args.r_bad for r in rows_all])),
+                                   "trust/mean": float(lam_all.mean()) if len(lam_all) else 0.0,
+                                   "trust/frac_teacher": float((lam_all > 0).mean()) if len(lam_all) else 0.0,
+                                   "replay/failed": float(len(rows_all) - len(ok) - (len(rows_all) - n_valid))})
+            # ---------------- teacher scoring (§2.7) and old / reference log-probs ----------------
             t = time.time()
-            samples = [(tr.prompt_ids, tr.response_ids) for tr in turns]
-            old_lp = score_tokens(rollout_model, samples, tok.pad_token_id, device, args.micro_batch)
-            ref_lp = score_tokens(ref_model, samples, tok.pad_token_id, device, args.micro_batch) if ref_model else None
+            samples = []
+            for tr, a in zip(turns, adv):
+                k = tr.group_id - RANK * 10_000
+                if args.drop_zero_adv and a == 0.0 and trust[k] == 0.0:
+                    continue   # [ours] no policy-gradient and no teacher signal
+                samples.append(Sample(tr.prompt_ids, tr.response_ids, a, None, trust=trust[k], turn=tr))
+            pairs = [(sm.prompt_ids, sm.response_ids) for sm in samples]
+            for sm, o in zip(samples, score_tokens(rollout_model, pairs, tok.pad_token_id, device, args.micro_batch)):
+                sm.old = o
+            if ref_model is not None:
+                for sm, r in zip(samples, score_tokens(ref_model, pairs, tok.pad_token_id, device, args.micro_batch)):
+                    sm.ref = r
             times["old_ref_logp"] = time.time() - t
+            if args.algo != "grpo":
+                t = time.time()
+                kept = [sm for sm in samples if sm.trust > 0]
+                # the teacher's prompt is the student's prompt with the task's skill after the task line
+                tprompts = []
+                for sm in kept:
+                    k, task = sm.turn.group_id - RANK * 10_000, eps[sm.turn.episode_id].task
+                    tp = insert_skill(sm.turn.prompt_text, skill_of[k], f"Your task is to: {task}")
+                    tprompts.append((engine.encode(tp), sm.response_ids))
+                for sm, lt in zip(kept, score_tokens(rollout_model, tprompts, tok.pad_token_id, device, args.micro_batch)):
+                    sm.teacher = lt   # ℓ^T = log π_old(y | teacher prompt), rollout weights, no grad
+                times["teacher"] = time.time() - t
             # ---------------- update ----------------
             t = time.time()
-            um = update(model, opt, turns, adv, old_lp, ref_lp, args, tok.pad_token_id, device)
+            um = update(model, opt, samples + skill_samples, args, tok.pad_token_id, device, use_teacher=args.algo != "grpo")
             times["update"] = time.time() - t
             # ---------------- weight sync ----------------
             t = time.time()
@@ -670,11 +857,12 @@ def main(argv=None):
             times["sync"] = time.time() - t
             # ---------------- log / eval / save ----------------
             stats = all_reduce([sum(e.won for e in eps), len(eps), sum(e.reward for e in eps),
-                                sum(tr.invalid for tr in turns), len(turns), sum(e.error is not None for e in eps)])
+                                sum(tr.invalid for tr in turns), len(turns), sum(e.error is not None for e in eps),
+                                len(samples)])
             row = {"step": step + 1, "train/success": stats[0] / max(1, stats[1]),
                    "train/reward": stats[2] / max(1, stats[1]), "train/invalid_frac": stats[3] / max(1, stats[4]),
-                   "train/turns": int(stats[4]), "train/env_errors": int(stats[5]),
-                   **um,
+                   "train/turns": int(stats[4]), "train/env_errors": int(stats[5]), "train/turns_updated": int(stats[6]),
+                   **um, **sm_metrics,
                    **{f"time/{k}": v for k, v in times.items()}}
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
                 row.update(evaluate(engine, pool, eval_games, args, constrained))
@@ -692,10 +880,13 @@ def main(argv=None):
                         wandb.init(project="rsipo", name=args.run_name, config=dataclasses.asdict(args))
                     wandb.log(row, step=step + 1)
             if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-                extra = {"summary": {k: v for k, v in summary.items() if k != "config"}}
+                extra = {"summary": {k: v for k, v in summary.items() if k != "config"},
+                         "skill_means": skill_means, "bank": bank.to_dict(), "skill_rng": all_gather_obj(skill_rng.getstate())}
                 if ref_model is not None:
                     extra["ref"] = ref_model.state_dict()
                 save_checkpoint(run_dir, model, opt, step + 1, args, extra)
+                if RANK == 0 and args.algo == "rsipo":
+                    bank.save(run_dir / "skill_bank.json")
 
         # ---------------- final eval and save ----------------
         t0 = time.time()
@@ -710,6 +901,9 @@ def main(argv=None):
             rollout_model.save_pretrained(run_dir / "final")
             tok.save_pretrained(run_dir / "final")
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            if args.algo == "rsipo":
+                bank.save(run_dir / "skill_bank.json")
+                print0(f"skill bank ({len(bank)} skills), a few of them:\n{bank.summary(2)}")
             print0(f"summary: success at start {summary.get('eval/success_at_start')} → end {summary['eval/success']} "
                    f"| {run_dir / 'summary.json'}")
     finally:

@@ -338,3 +338,26 @@ def test_bank_summary():
 def test_bank_capacity_validated():
     with pytest.raises(ValueError, match="capacity"):
         SkillBank(capacity=0)
+
+
+def test_parse_skill_accepts_spaced_key_from_word_level_decoding():
+    # the tiny tokenizer decodes {"skill": "..."} as {" skill ": " ... "}
+    assert parse_skill('{" skill ": " go to desk 1 , take it . "}') == "go to desk 1 , take it ."
+    assert parse_skill('{"skills": "x"}') is None
+
+
+def test_rule_skill_success_and_failure_texts():
+    from skills import rule_skill
+    s = rule_skill("heat", "Apple", "CounterTop", won=True, visited=["countertop 2"])
+    assert s.startswith("the apple was at countertop 2;")
+    assert "go to the microwave and heat the apple with it" in s and s.endswith("move the apple to it.")
+    f = rule_skill("pick2", "Mug", "Shelf", won=False)
+    assert f.startswith("do not repeat the same action") and "move it to the shelf" in f
+    look = rule_skill("look", "Book", toggle="DeskLamp")
+    assert look.endswith("then go to the desklamp and use the desklamp.")
+    # every rule skill is a valid skill for the parser (the warm start trains on them as JSON)
+    import json
+    for t in ("pick", "look", "clean", "heat", "cool", "pick2"):
+        for won in (True, False):
+            txt = rule_skill(t, "Apple", "Fridge", "DeskLamp", won)
+            assert parse_skill(json.dumps({"skill": txt})) == txt

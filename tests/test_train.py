@@ -14,7 +14,8 @@ import train as T  # noqa: E402
 
 TINY = ["--sft_steps", "40", "--steps", "2", "--tasks_per_step", "2", "--group_size", "2",
         "--eval_games", "2", "--max_turns", "4", "--mini_batch", "8", "--micro_batch", "4",
-        "--save_every", "1", "--lr", "2e-4", "--tiny_hidden", "64", "--max_new_tokens", "24"]
+        "--save_every", "1", "--lr", "2e-4", "--tiny_hidden", "64", "--max_new_tokens", "24",
+        "--drop_zero_adv", "false", "--eval_repeats", "1"]
 
 
 def _state(run: Path):
@@ -89,10 +90,25 @@ def test_single_process_run_and_exact_resume(tmp_path):
         assert torch.allclose(v, st_cut["model"][k], atol=1e-6), k
 
 
+def test_rsipo_run_end_to_end_single_process(tmp_path):
+    T.main(TINY + ["--algo", "rsipo", "--steps", "1", "--out_dir", str(tmp_path), "--run_name", "rs"])
+    run = tmp_path / "rs"
+    row = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "train/success" in l][0]
+    # the RSIPO sections ran: skills were written and parsed, trust computed, skill samples trained
+    for k in ("skill/valid_frac", "skill/reward_mean", "trust/mean", "time/skills", "time/replay"):
+        assert k in row, k
+    assert 0.0 <= row["skill/valid_frac"] <= 1.0 and 0.0 <= row["trust/mean"] <= 1.0
+    assert (run / "skill_bank.json").exists()
+    st = _state(run)
+    assert "skill_means" in st["extra"] and "bank" in st["extra"]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
-def test_torchrun_two_cpu_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-           str(ROOT / "train.py"), *TINY, "--env_workers", "1", "--out_dir", str(tmp_path), "--run_name", "ddp"]
+@pytest.mark.parametrize("algo", ["grpo", "rsipo"])
+def test_torchrun_two_cpu_ranks(tmp_path, algo):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29533 + (algo == "rsipo")), str(ROOT / "train.py"), *TINY, "--env_workers", "1", "--algo", algo,
+           "--out_dir", str(tmp_path), "--run_name", "ddp"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
