@@ -81,6 +81,7 @@ class Args:
     env_workers: int = arg(2, "env worker processes per rank")
     # --- RL ---
     steps: int = arg(12, "RL steps")
+    max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
     tasks_per_step: int = arg(8, "B: tasks per step (over all ranks)")
     group_size: int = arg(8, "N: episodes per task (GRPO group)")
     lr: float = arg(2e-4, "RL learning rate (papers: 1e-6 for 7B; the tiny model needs more)")
@@ -116,6 +117,7 @@ class Args:
     sft_lr: float = arg(2e-3, "SFT learning rate (SEED: 5e-6 for 7B)")
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
     # --- eval / save ---
+    eval: bool = arg(True, "evaluate on held-out games before and after RL")
     eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
     eval_temperature: float = arg(0.4, "eval sampling temperature (0 = greedy; papers: 0.4)")
     eval_repeats: int = arg(2, "episodes per held-out game at evaluation (sampled eval is noisy)")
@@ -691,12 +693,17 @@ def main(argv=None):
                 model = shard(model)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
             sync_rollout_weights()
-            t0 = time.time()
-            ev = evaluate(engine, pool, eval_games, args, constrained)
-            summary["eval/success_at_start"] = ev["eval/success"]
-            summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
-            print0(f"eval before RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} games ({time.time() - t0:.0f}s)")
-            rows.append({"step": 0, **ev})
+            if RANK == 0 and pairs and args.sft_steps:   # the warm-started policy, reusable with --model
+                rollout_model.save_pretrained(run_dir / "warm_start")
+                tok.save_pretrained(run_dir / "warm_start")
+            if args.eval:
+                t0 = time.time()
+                ev = evaluate(engine, pool, eval_games, args, constrained)
+                summary["eval/success_at_start"] = ev["eval/success"]
+                summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
+                print0(f"eval before RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
+                       f"({len(eval_games)} games x {args.eval_repeats}, {time.time() - t0:.0f}s)")
+                rows.append({"step": 0, **ev})
         ref_model = None
         if args.c_kl > 0:
             ref_model = copy.deepcopy(rollout_model).eval()   # frozen reference = the warm-started policy
@@ -718,6 +725,8 @@ def main(argv=None):
         for _ in range(start):   # replay the task sampler so a resumed run draws the same tasks
             task_rng.sample(range(len(train_games)), min(args.tasks_per_step, len(train_games)))
 
+        env_steps_total = next((r["train/env_steps_total"] for r in reversed(rows) if "train/env_steps_total" in r), 0)
+        last_step = start
         from tqdm import tqdm
         bar = tqdm(range(start, args.steps), desc="rl", disable=RANK != 0, initial=start, total=args.steps)
         for step in bar:
@@ -739,6 +748,7 @@ def main(argv=None):
             scores = rsipo.turn_scores(R, inv, args.p_fmt)
             adv = rsipo.group_advantages(scores, gid).tolist() if turns else []      # Eq. (1)
             K, N = len(tasks), args.group_size
+            replay_eps: list = []
             trust = [0.0] * K                     # λ_q of this rank's tasks (0 = no teacher signal)
             skill_of: list[Optional[str]] = [None] * K
             skill_samples: list[Sample] = []
@@ -771,6 +781,7 @@ def main(argv=None):
                     reps = run_episodes(engine, pool, [tasks[k] for k in idx], M, history_len=args.history_len,
                                         skills={j: skill_of[k] for j, k in enumerate(idx)}, temperature=args.temperature,
                                         constrained=constrained) if idx else []
+                    replay_eps = reps
                     for j, k in enumerate(idx):
                         rr = reps[j * M:(j + 1) * M]
                         if any(e.error for e in rr):   # dropped from the trust estimate, counted
@@ -800,16 +811,21 @@ def main(argv=None):
                         sm_metrics[f"replay/gain_{ty}"] = float(np.mean([rows_all[i][1] for i in ok if rows_all[i][0] == ty]))
                 trust = [float(lam_all[offset + k]) for k in range(K)]
                 if args.algo == "rsipo":
-                    A_skill, skill_means = rsipo.skill_advantages(        # Eq. (5)
-                        torch.tensor([r[1] if r[3] else args.r_bad for r in rows_all], dtype=torch.float32),
-                        [r[0] for r in rows_all], torch.tensor([r[3] for r in rows_all]), r_bad=args.r_bad,
+                    # Eq. (5) over tasks with a skill reward: invalid skills (r_bad) and completed replays;
+                    # a task whose replay failed in the env has no reward and no skill sample
+                    has_r = [i for i, r in enumerate(rows_all) if not r[3] or r[4]]
+                    A_sub, skill_means = rsipo.skill_advantages(
+                        torch.tensor([rows_all[i][1] if rows_all[i][3] else args.r_bad for i in has_r], dtype=torch.float32),
+                        [rows_all[i][0] for i in has_r], torch.tensor([rows_all[i][3] for i in has_r]), r_bad=args.r_bad,
                         running_means=skill_means)
-                    t_old = score_tokens(rollout_model, [(g.prompt_ids, g.token_ids) for g in gens], tok.pad_token_id,
-                                         device, args.micro_batch)
-                    t_ref = score_tokens(ref_model, [(g.prompt_ids, g.token_ids) for g in gens], tok.pad_token_id,
-                                         device, args.micro_batch) if ref_model else [None] * K
-                    skill_samples = [Sample(g.prompt_ids, g.token_ids, float(A_skill[offset + k]), t_old[k], t_ref[k],
-                                            skill=True) for k, g in enumerate(gens) if g.token_ids]
+                    A_skill = dict(zip(has_r, A_sub.tolist()))
+                    mine_k = [k for k in range(K) if offset + k in A_skill and gens[k].token_ids]
+                    pairs_s = [(gens[k].prompt_ids, gens[k].token_ids) for k in mine_k]
+                    t_old = score_tokens(rollout_model, pairs_s, tok.pad_token_id, device, args.micro_batch)
+                    t_ref = score_tokens(ref_model, pairs_s, tok.pad_token_id, device, args.micro_batch) \
+                        if ref_model else [None] * len(mine_k)
+                    skill_samples = [Sample(gens[k].prompt_ids, gens[k].token_ids, A_skill[offset + k], o, r, skill=True)
+                                     for k, o, r in zip(mine_k, t_old, t_ref)]
                     for k in range(K):   # the bank keeps validated skills (ĝ > 0), DESIGN §2.10
                         if skill_of[k] is not None and replay_ok[k] and shrunk_all[offset + k] > 0:
                             bank.add(types[k], skill_of[k], gain[k], float(shrunk_all[offset + k]), tasks[k]["gamefile"], step + 1)
@@ -819,7 +835,7 @@ def main(argv=None):
                                    "skill/reward_mean": float(np.mean([r[1] if r[3] else args.r_bad for r in rows_all])),
                                    "trust/mean": float(lam_all.mean()) if len(lam_all) else 0.0,
                                    "trust/frac_teacher": float((lam_all > 0).mean()) if len(lam_all) else 0.0,
-                                   "replay/failed": float(len(rows_all) - len(ok) - (len(rows_all) - n_valid))})
+                                   "replay/failed": float(n_valid - len(ok))})
             # ---------------- teacher scoring (§2.7) and old / reference log-probs ----------------
             t = time.time()
             samples = []
@@ -858,16 +874,21 @@ def main(argv=None):
             # ---------------- log / eval / save ----------------
             stats = all_reduce([sum(e.won for e in eps), len(eps), sum(e.reward for e in eps),
                                 sum(tr.invalid for tr in turns), len(turns), sum(e.error is not None for e in eps),
-                                len(samples)])
+                                len(samples), sum(len(tr.response_ids) for tr in turns),
+                                sum(len(sm.prompt_ids) + len(sm.response_ids) for sm in samples + skill_samples),
+                                sum(len(e.steps) for e in eps + replay_eps)])
             row = {"step": step + 1, "train/success": stats[0] / max(1, stats[1]),
                    "train/reward": stats[2] / max(1, stats[1]), "train/invalid_frac": stats[3] / max(1, stats[4]),
                    "train/turns": int(stats[4]), "train/env_errors": int(stats[5]), "train/turns_updated": int(stats[6]),
+                   "rollout/gen_tokens": int(stats[7]), "update/seq_tokens": int(stats[8]),
+                   "train/env_steps": int(stats[9]), "train/env_steps_total": env_steps_total + int(stats[9]),
                    **um, **sm_metrics,
                    **{f"time/{k}": v for k, v in times.items()}}
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
                 row.update(evaluate(engine, pool, eval_games, args, constrained))
             row["time/step"] = time.time() - t_step
             rows.append(row)
+            env_steps_total = row["train/env_steps_total"]
             if RANK == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
@@ -879,7 +900,9 @@ def main(argv=None):
                     if wandb.run is None:
                         wandb.init(project="rsipo", name=args.run_name, config=dataclasses.asdict(args))
                     wandb.log(row, step=step + 1)
-            if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            last_step = step + 1
+            stop = bool(args.max_env_steps) and env_steps_total >= args.max_env_steps
+            if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop):
                 extra = {"summary": {k: v for k, v in summary.items() if k != "config"},
                          "skill_means": skill_means, "bank": bank.to_dict(), "skill_rng": all_gather_obj(skill_rng.getstate())}
                 if ref_model is not None:
@@ -887,16 +910,21 @@ def main(argv=None):
                 save_checkpoint(run_dir, model, opt, step + 1, args, extra)
                 if RANK == 0 and args.algo == "rsipo":
                     bank.save(run_dir / "skill_bank.json")
+            if stop:
+                print0(f"env-step budget {args.max_env_steps} reached after step {step + 1}")
+                break
 
         # ---------------- final eval and save ----------------
-        t0 = time.time()
-        ev = evaluate(engine, pool, eval_games, args, constrained)
-        print0(f"eval after RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} games ({time.time() - t0:.0f}s)")
-        summary.update(ev)
-        rows.append({"step": args.steps, **ev})
-        if RANK == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": args.steps, **ev}) + "\n")
+        if args.eval:
+            t0 = time.time()
+            ev = evaluate(engine, pool, eval_games, args, constrained)
+            print0(f"eval after RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
+                   f"({len(eval_games)} games x {args.eval_repeats}, {time.time() - t0:.0f}s)")
+            summary.update(ev)
+            rows.append({"step": last_step, **ev})
+            if RANK == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({"step": last_step, **ev}) + "\n")
             plot_curves(run_dir, rows)
             rollout_model.save_pretrained(run_dir / "final")
             tok.save_pretrained(run_dir / "final")
@@ -904,7 +932,7 @@ def main(argv=None):
             if args.algo == "rsipo":
                 bank.save(run_dir / "skill_bank.json")
                 print0(f"skill bank ({len(bank)} skills), a few of them:\n{bank.summary(2)}")
-            print0(f"summary: success at start {summary.get('eval/success_at_start')} → end {summary['eval/success']} "
+            print0(f"summary: success at start {summary.get('eval/success_at_start')} → end {summary.get('eval/success')} "
                    f"| {run_dir / 'summary.json'}")
     finally:
         pool.close()

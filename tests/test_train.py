@@ -122,3 +122,20 @@ def test_torchrun_two_cpu_ranks(tmp_path, algo):
     st = _state(run)
     changed = [k for k, v in st["model"].items() if not torch.equal(v, st["extra"]["ref"][k])]
     assert changed
+
+
+def test_nan_loss_skips_the_optimizer_step_and_keeps_parameters():
+    args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8)
+    torch.manual_seed(0)
+    model = T.tiny_model(50, args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    s = T.Sample([1, 2, 3], [4, 5], float("nan"), torch.zeros(2))   # a NaN advantage → NaN loss
+    m = T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)
+    assert m["update/skipped"] == 1 and "update/grad_norm" not in m
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # a finite sample does move the parameters
+    s = T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0))
+    m = T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)
+    assert m["update/grad_norm"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -1,0 +1,102 @@
+"""Side by side: GRPO, GRPO+OPSD and RSIPO on the CPU setup, several seeds, the same env-step budget.
+
+Each (algorithm, seed) is one `train.py` run in its own process, stopped when it has spent
+`--env_steps` environment steps (student rollouts plus, for RSIPO, trajectory replays), so that
+RSIPO pays for its replays. Runs that already finished are reused (their summary.json), so an
+interrupted comparison resumes. Writes <out>/compare.md (table), <out>/compare.json and
+<out>/compare.png (held-out success, and training success against environment steps).
+
+    python compare.py                                    # 3 seeds x grpo/opsd/rsipo, tiny default
+    python compare.py --seeds 0 --algos grpo,rsipo --env_steps 4000 -- --steps 40   # extra train.py flags after --
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TYPES = ["pick", "look", "clean", "heat", "cool", "pick2"]
+
+
+def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
+    name = f"{algo}_s{seed}"
+    summary = Path(a.out) / name / "summary.json"
+    if not summary.exists():
+        cmd = [sys.executable, str(HERE / "train.py"), "--algo", algo, "--seed", str(seed), "--steps", str(a.max_steps),
+               "--max_env_steps", str(a.env_steps), "--out_dir", a.out, "--run_name", name, *extra]
+        print("running:", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, cwd=HERE)
+    s = json.loads(summary.read_text())
+    rows = [json.loads(l) for l in (Path(a.out) / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    s["curve"] = [(r["train/env_steps_total"], r["train/success"]) for r in rows if "train/env_steps_total" in r]
+    return s
+
+
+def fmt(xs: list[float]) -> str:
+    if not xs:
+        return "–"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{100 * statistics.fmean(xs):.1f} ± {100 * sd:.1f}"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--algos", default="grpo,opsd,rsipo")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--env_steps", type=int, default=12000, help="environment-step budget per run")
+    p.add_argument("--max_steps", type=int, default=100, help="RL step cap (the budget usually ends a run first)")
+    p.add_argument("--out", default="runs/compare")
+    a = p.parse_args(argv)
+    algos, seeds = a.algos.split(","), [int(s) for s in a.seeds.split(",")]
+    res = {algo: [run_one(algo, s, a, extra) for s in seeds] for algo in algos}
+
+    lines = [f"Held-out success (%), mean ± std over seeds {seeds}, {a.env_steps} env steps per run "
+             f"(`python compare.py --algos {a.algos} --seeds {a.seeds} --env_steps {a.env_steps}"
+             f"{' -- ' + ' '.join(extra) if extra else ''}`)", "",
+             "| algo | after warm start | after RL | " + " | ".join(TYPES) + " | RL steps |",
+             "|---" * (4 + len(TYPES)) + "|"]
+    table = {}
+    for algo, runs in res.items():
+        start = [r.get("eval/success_at_start") for r in runs if r.get("eval/success_at_start") is not None]
+        end = [r.get("eval/success") for r in runs if r.get("eval/success") is not None]
+        per = {t: [r[f"eval/success_{t}"] for r in runs if f"eval/success_{t}" in r] for t in TYPES}
+        steps = [len(r["curve"]) for r in runs]
+        table[algo] = {"start": start, "end": end, "per_type": per, "rl_steps": steps}
+        lines.append(f"| {algo} | {fmt(start)} | {fmt(end)} | " + " | ".join(fmt(per[t]) for t in TYPES)
+                     + f" | {', '.join(map(str, steps))} |")
+    md = "\n".join(lines) + "\n"
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(md)
+    (out / "compare.json").write_text(json.dumps({"table": table, "config": vars(a), "extra": extra}, indent=1))
+    print(md)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    for i, (algo, runs) in enumerate(res.items()):
+        c = f"C{i}"
+        for j, r in enumerate(runs):
+            xs, ys = zip(*r["curve"]) if r["curve"] else ([], [])
+            ax[1].plot(xs, ys, color=c, alpha=0.6, label=algo if j == 0 else None)
+        ax[0].errorbar([i - 0.1, i + 0.1],
+                       [statistics.fmean(table[algo][k] or [0]) for k in ("start", "end")],
+                       yerr=[statistics.stdev(table[algo][k]) if len(table[algo][k]) > 1 else 0 for k in ("start", "end")],
+                       fmt="o-", color=c, capsize=3)
+    ax[0].set_xticks(range(len(res)), list(res)), ax[0].set_ylabel("held-out success (start → end)")
+    ax[1].set_xlabel("environment steps"), ax[1].set_ylabel("training-rollout success"), ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "compare.png", dpi=100)
+    print(f"wrote {out / 'compare.md'} and {out / 'compare.png'}")
+
+
+if __name__ == "__main__":
+    main()
