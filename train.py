@@ -85,6 +85,7 @@ class Args:
     tasks_per_step: int = arg(8, "B: tasks per step (over all ranks)")
     group_size: int = arg(8, "N: episodes per task (GRPO group)")
     lr: float = arg(2e-4, "RL learning rate (papers: 1e-6 for 7B; the tiny model needs more)")
+    lr_warmup: int = arg(0, "linear warmup of the RL learning rate over this many optimizer steps [ours]")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate, Eq. (10)")
     c_kl: float = arg(0.01, "coefficient of the k3 KL to the reference model, Eq. (12)")
     c_ent: float = arg(0.001, "entropy bonus coefficient, Eq. (12)")
@@ -598,7 +599,13 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
             metrics["update/skipped"] = metrics.get("update/skipped", 0) + 1
             opt.zero_grad(set_to_none=True)
             continue
+        if args.lr_warmup:   # [ours] Adam's first steps are sign-like; ramp the rate up
+            st = next(iter(opt.state.values()), {})   # steps taken so far: Adam's own (checkpointed) count
+            done = int(st["step"]) if "step" in st else 0
+            for g in opt.param_groups:
+                g["lr"] = args.lr * min(1.0, (done + 1) / args.lr_warmup)
         opt.step()
+        metrics["update/lr"] = opt.param_groups[0]["lr"]
         metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + float(gn) / n_mini
     # across ranks: contributions are already scaled by the global token count; means by tokens
     ks = sorted(contrib) + sorted(wsum)

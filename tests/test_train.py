@@ -139,3 +139,14 @@ def test_nan_loss_skips_the_optimizer_step_and_keeps_parameters():
     m = T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)
     assert m["update/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_lr_warmup_ramps_with_adams_own_step_count():
+    args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8, lr=1e-3, lr_warmup=4)
+    torch.manual_seed(0)
+    model = T.tiny_model(50, args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    s = T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0))
+    lrs = [T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)["update/lr"] for _ in range(5)]
+    # steps taken before each update: 0, 1, 2, 3, 4 → lr · min(1, (n+1)/4)
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
