@@ -23,6 +23,13 @@ Choices, all **[ours]**:
    text, and a warm start by behaviour cloning of the games' engine-verified walkthroughs (no
    downloads). `--constrained` decoding (tiny preset only, see rollout.py) is on by default for it.
 4. RL tasks are sampled uniformly from the training games each step (seeded).
+5. `--drop_zero_adv`: turn-samples with advantage 0 and no teacher signal (λ = 0) are left out of
+   the update (all-fail / all-win GRPO groups carry no policy gradient; only KL/entropy).
+6. Evaluation samples at temperature 0.4 (the papers' validation setting) with `--eval_repeats`
+   episodes per game; `--lr_warmup` ramps the RL rate from Adam's own step count.
+7. RSIPO (DESIGN §2 steps 3-9): the analyzer reads a won episode of the task if there is one
+   (else a random one); a task whose replay hit an env error is left out of trust and of Eq. (5);
+   with `--model tiny`, opsd/rsipo warm-start skill writing from `skills.rule_skill` annotations.
 """
 from __future__ import annotations
 
