@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
-from envs import build_prompt, parse_action
+from envs import TASK_PREFIX, build_prompt, parse_action
 from skills import insert_skill
 
 STOP_TEXT = "</action>"
@@ -216,7 +216,7 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
             ep = eps[i]
             p = build_prompt(ep.task, obs[i], adm[i], ep.steps, history_len=history_len)
             if ep.skill:
-                p = insert_skill(p, ep.skill, f"Your task is to: {ep.task}")
+                p = insert_skill(p, ep.skill, TASK_PREFIX + ep.task)
             prompts.append(p)
         gens = engine.generate(prompts, temperature=temperature, greedy=greedy,
                                allowed_actions=[adm[i] for i in idx] if constrained else None)

@@ -34,6 +34,7 @@ Choices, all **[ours]**:
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -53,7 +54,7 @@ import torch.distributed as dist
 import rsipo
 import shrinkage
 from skills import SkillBank, analyzer_prompt, insert_skill, parse_skill, rule_skill
-from envs import EnvPool, TASK_TYPES, build_prompt, list_games, task_from_intro
+from envs import TASK_PREFIX, TASK_TYPES, EnvPool, build_prompt, list_games, task_from_intro
 from rollout import HFEngine, Turn, run_episodes, chat_ids
 
 HERE = Path(__file__).resolve().parent
@@ -285,7 +286,7 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
             response = f"<think> </think> <action> {s['action']} </action>"
             out.append((prompt, response))
             if skill:
-                out.append((insert_skill(prompt, skill, f"Your task is to: {task}"), response))
+                out.append((insert_skill(prompt, skill, TASK_PREFIX + task), response))
             hist.append((s["obs"], s["action"]))
     return out
 
@@ -666,7 +667,6 @@ def main(argv=None):
     # ---------------- model, rollout copy, reference ----------------
     model, tok = load_model_and_tokenizer(args, run_dir, train_games)
     model.to(device)
-    import copy
     rollout_model = copy.deepcopy(model).eval()      # [ours] unsharded rollout weights (π_old)
     for p in rollout_model.parameters():
         p.requires_grad_(False)
@@ -872,7 +872,7 @@ def main(argv=None):
                 tprompts = []
                 for sm in kept:
                     k, task = sm.turn.group_id - RANK * 10_000, eps[sm.turn.episode_id].task
-                    tp = insert_skill(sm.turn.prompt_text, skill_of[k], f"Your task is to: {task}")
+                    tp = insert_skill(sm.turn.prompt_text, skill_of[k], TASK_PREFIX + task)
                     tprompts.append((engine.encode(tp), sm.response_ids))
                 for sm, lt in zip(kept, score_tokens(rollout_model, tprompts, tok.pad_token_id, device, args.micro_batch)):
                     sm.teacher = lt   # ℓ^T = log π_old(y | teacher prompt), rollout weights, no grad
