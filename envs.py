@@ -81,7 +81,66 @@ Choices the paper leaves open, all **[ours]**:
     untouched textworld in a subprocess). `envs.MEMO_TEXTGEN = False` before the first reset (or
     before creating an EnvPool, whose workers inherit it) turns it off.
 
-Run `python bench_env.py` for steps/s; test with `python -m pytest tests/test_envs.py -q`.
+Search QA (Search-R1 protocol; section at the end of the file)
+----------------------------------------------------------------
+* Data. `load_qa(path)` reads Search-R1's question files, JSONL or parquet (pyarrow needed):
+  FlashRAG's flat rows (`id`, `question`, `golden_answers`) with `data_source`, or the verl rows
+  that Search-R1's `scripts/data_process/qa_search_{train,test}_merge.py` write (`prompt` whose
+  text ends in "Question: ...", `reward_model.ground_truth.target`, `extra_info.index`). Task ids
+  are "<data_source>:<id>"; the task type comes from the source (`SEARCH_TASK_TYPES`: nq,
+  triviaqa, popqa → single; hotpotqa, 2wikimultihopqa, musique, bamboogle → multi; this
+  project's gen_single / gen_multi). `list_qa(root, split)` reads `<root>/<split>.jsonl|.parquet`.
+  Bad files raise EnvDataError naming the file and the record or line. Fetching the real data
+  (needs internet): the NQ + HotpotQA train set and the merged seven-set test file, as parquet,
+      huggingface-cli download --repo-type dataset PeterJinGo/nq_hotpotqa_train --local-dir data/nq_hotpotqa_train
+  (`data/nq_hotpotqa_train/{train,test}.parquet`; or rebuild them from FlashRAG with Search-R1's
+  `scripts/data_process/qa_search_{train,test}_merge.py`), and for retrieval the E5 index and
+  wiki-18 corpus served by Search-R1's own server (in a clone of PeterGriffinJin/Search-R1:
+  `python scripts/download.py --save_path <dir>`, then `bash retrieval_launch.sh`, port 8000);
+  then `python train.py --env search --data_root data/nq_hotpotqa_train --retriever_url
+  http://127.0.0.1:8000` (`pip install pyarrow` for parquet).
+  The shipped small set is `data/search_qa` (qa_gen.py: a fictional world, 300 train / 100 test
+  questions, 170 passages, gold demonstrations verified against BM25 + this env).
+* Retrievers: `search(queries, k) -> [[{"id", "title", "text", "score"}, ...] per query]`.
+  `BM25Retriever(corpus.jsonl)` (bm25s, index cached next to the corpus, keyed by its content
+  hash) and `HTTPRetriever(url)` (Search-R1 server protocol, `POST /retrieve` with
+  {"queries", "topk", "return_scores"} → {"result": [[{"document": {"id", "contents"}, "score"}]]};
+  timeout, retries with backoff, RetrieverError / RetrieverTimeout naming the URL).
+  `retrieval_server.py` serves a BM25Retriever with that protocol.
+* `SearchEnv(retriever, tasks, max_turns=4, top_k=3)`: `reset(task or id) -> ("", info)`,
+  `step(model_text) -> (obs, reward, done, info)`. `<search> q </search>` → obs
+  `<information> Doc 1 (Title: t) text ... </information>` (top-k, "No results." when no passage
+  shares a word with q); `<answer> a </answer>` ends the episode with reward R_EM = 1.0 when
+  `exact_match` (SQuAD normalisation: lowercase, punctuation and a/an/the removed, whitespace
+  collapsed) holds against any gold answer, else 0; after `max_turns` turns the episode ends
+  (`truncated`). info: won, task_type, task (the question), id, golden_answers, steps, searches,
+  truncated, invalid_action, answer, error, admissible ([]).
+* `build_search_prompt` / `parse_search_action`: the turn prompt (Search-R1's instruction in our
+  words; the question is its own line `Question: ...`, where skills are inserted; history
+  `Turn k: <action>` + result) and the action parser (canonical "<search> q </search>" or None).
+* `SearchPool(retriever, tasks, max_turns, top_k, timeout)`: EnvPool's calls, in-process.
+
+Search choices, all **[ours]**:
+11. Bad input, decided and tested: a turn is valid only with exactly one opening and one closing
+    <search>/<answer> tag, same name, closing after opening: unclosed tags, several actions,
+    mismatched pairs, an empty content, a query over 300 or an answer over 200 characters are
+    invalid turns (obs INVALID_SEARCH_OBS, `invalid_action`, one turn spent; the trainer charges
+    p_fmt). Non-ASCII text is valid (real answers have accents: "Zürich"). An answer before any
+    search is a normal turn and is scored (Search-R1 allows direct answers). Text outside the
+    action (e.g. <think>) is not checked.
+12. The pool runs in-process (a search step is milliseconds). The queries of one lock-step go
+    to the retriever as one batch in a daemon thread bounded by `timeout`; on timeout or
+    RetrieverError every episode that searched in that step ends as failed (done, reward 0,
+    `error`), counted in `stats` (errors, timeouts, retriever_errors); the hung thread is
+    abandoned, never joined. An unknown question id fails only its episode.
+13. Passages with BM25 score 0 are not returned (a query gets at most k, maybe none); BM25
+    tokenisation is bm25s's (lowercase words of 2+ characters, English stopwords, no stemming).
+14. Each turn is a fresh prompt (question + the last `history_len` turns with their results), as
+    for ALFWorld and verl-agent, where Search-R1 appends to one growing context; the history
+    shows at least the last turn (its result is the current observation).
+
+Run `python bench_env.py` for steps/s and `python bench_search.py` for retrieval latency; test with
+`python -m pytest tests/test_envs.py -q` and `python -m pytest tests/test_search.py -q`.
 """
 
 from __future__ import annotations
@@ -94,6 +153,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import string
 import sys
 import time
 import traceback
@@ -677,6 +737,13 @@ class EnvPool:
     _test_hooks: tests only; a worker then sleeps on the action "__test_sleep__ <seconds>".
     """
 
+    # What `rollout.run_episodes` takes from an env family (SearchPool has the search ones).
+    task_key = "gamefile"
+    task_prefix = TASK_PREFIX
+    stop_texts = ("</action>",)
+    build_prompt = staticmethod(build_prompt)
+    parse_action = staticmethod(parse_action)
+
     def __init__(self, num_workers: int = 2, max_steps: int = 50, step_timeout: float = 30.0,
                  reset_timeout: float = 120.0, start_timeout: float = 120.0, _test_hooks: bool = False):
         if num_workers < 1:
@@ -862,3 +929,579 @@ class EnvPool:
             self.close(timeout=1.0)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+# =============================================================================================
+# Search QA (Search-R1 protocol): data, retrievers, the env and its in-process pool
+
+# Task type of a question from the data set it comes from (DESIGN §2: single-hop / multi-hop).
+# gen_single / gen_multi are this project's generated set (qa_gen.py).
+SEARCH_TASK_TYPES: dict[str, str] = {
+    "nq": "single", "triviaqa": "single", "popqa": "single", "gen_single": "single",
+    "hotpotqa": "multi", "2wikimultihopqa": "multi", "musique": "multi", "bamboogle": "multi",
+    "gen_multi": "multi",
+}
+SEARCH_TYPES: tuple[str, ...] = ("single", "multi")
+QUESTION_PREFIX = "Question: "  # the task line of a search prompt (skills are inserted after it)
+R_EM = 1.0  # reward of an exactly matching answer
+MAX_QUERY_CHARS = 300  # longer queries are invalid turns [ours]
+MAX_ANSWER_CHARS = 200  # longer answers are invalid turns [ours]
+SEARCH_STOP_TEXTS = ("</search>", "</answer>")  # generation stops after the first action tag
+INVALID_SEARCH_OBS = ("Invalid turn: give exactly one <search> query </search> or one "
+                      "<answer> answer </answer>.")
+NO_RESULTS = "No results."
+
+
+class RetrieverError(RuntimeError):
+    """The retriever could not answer (server down, bad reply); the message names the URL/path."""
+
+
+class RetrieverTimeout(RetrieverError):
+    """The retriever did not answer within its time limit."""
+
+
+# -- answers
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lowercase, drop punctuation, drop the articles a/an/the, collapse spaces."""
+    text = str(text).lower()
+    text = "".join(ch for ch in text if ch not in _PUNCT)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+_PUNCT = frozenset(string.punctuation)
+
+
+def exact_match(prediction: str, golds) -> bool:
+    """True when the normalised prediction equals any normalised gold answer."""
+    if isinstance(golds, str):
+        golds = [golds]
+    pred = normalize_answer(prediction)
+    return any(pred == normalize_answer(g) for g in golds)
+
+
+# -- tags
+
+_SEARCH_TAG_RE = re.compile(r"<(/?)(search|answer)>", re.IGNORECASE)
+
+
+def split_search_action(text) -> tuple[str, str] | None:
+    """("search" | "answer", content) of a model output, or None when the turn is invalid.
+
+    Valid: exactly one opening and one closing tag in total over <search>/<answer>, the closing
+    after the opening and of the same name; the content, whitespace collapsed, is non-empty and
+    within MAX_QUERY_CHARS (search) / MAX_ANSWER_CHARS (answer). Everything outside the pair
+    (e.g. <think>) is ignored. Non-ASCII content is valid.
+    """
+    if not isinstance(text, str):
+        return None
+    tags = list(_SEARCH_TAG_RE.finditer(text))
+    if len(tags) != 2:
+        return None  # no action, an unclosed tag, or several actions
+    (o, c) = tags
+    name = o.group(2).lower()
+    if o.group(1) or not c.group(1) or c.group(2).lower() != name:
+        return None
+    content = " ".join(text[o.end():c.start()].split())
+    limit = MAX_QUERY_CHARS if name == "search" else MAX_ANSWER_CHARS
+    if not content or len(content) > limit:
+        return None
+    return name, content
+
+
+def parse_search_action(text) -> str | None:
+    """The canonical action text "<search> q </search>" / "<answer> a </answer>", or None."""
+    parsed = split_search_action(text)
+    return None if parsed is None else f"<{parsed[0]}> {parsed[1]} </{parsed[0]}>"
+
+
+def format_passages(passages: list[dict]) -> str:
+    """The observation after a search: the passages as `Doc i (Title: t) text` in <information>."""
+    if not passages:
+        return f"<information> {NO_RESULTS} </information>"
+    docs = [f"Doc {i} (Title: {_one_line(p.get('title', ''))}) {_one_line(p.get('text', ''))}"
+            for i, p in enumerate(passages, 1)]
+    return "<information> " + "\n".join(docs) + " </information>"
+
+
+_SEARCH_HEAD = ("Answer the question. Reason inside <think> </think> first. When you lack knowledge, "
+                "search with <search> query </search>; the top results come back inside "
+                "<information> </information>. You may search several times. When you know the "
+                "answer, give only the answer inside <answer> </answer>, for example "
+                "<answer> Paris </answer>.")
+
+
+def build_search_prompt(question: str, obs: str, admissible=None, history=(), history_len: int = 4) -> str:
+    """The turn prompt of the search env (Search-R1's template in our words).
+
+    history: all (observation, action) pairs so far, oldest first; obs: the result of the last
+    action. Turn k is shown as `Turn k: <action>` followed by its result; the last
+    max(history_len, 1) turns are shown (the latest result is always visible). `admissible` is
+    accepted for the common interface and ignored.
+    """
+    history = list(history)
+    n = len(history)
+    start = max(0, n - max(history_len, 1))
+    lines = [_SEARCH_HEAD, QUESTION_PREFIX + _one_line(question)]
+    if start:
+        lines.append(f"({start} earlier turn(s) not shown)")
+    for j in range(start, n):
+        result = history[j + 1][0] if j + 1 < n else obs
+        lines.append(f"Turn {j + 1}: {_one_line(history[j][1])}")
+        lines.append(str(result).strip())
+    lines.append(f"Now write turn {n + 1}.")
+    return "\n".join(lines)
+
+
+# -- data
+
+
+def _read_jsonl(path: str, what: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise EnvDataError(f"{what} {path!r} does not exist")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise EnvDataError(f"malformed {what} {path}:{n}: invalid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise EnvDataError(f"malformed {what} {path}:{n}: expected a JSON object")
+            rows.append(row)
+    if not rows:
+        raise EnvDataError(f"{what} {path!r} is empty")
+    return rows
+
+
+def load_corpus(path: str) -> list[dict]:
+    """Passages of a JSONL corpus: one {"id", "title", "text"} object a line (ids unique)."""
+    rows = _read_jsonl(path, "corpus")
+    seen: set[str] = set()
+    out = []
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row.get("id"), (str, int)) or not all(isinstance(row.get(k), str) for k in ("title", "text")):
+            raise EnvDataError(f"malformed corpus {path}: passage {n} needs 'id' (text or number), "
+                               f"'title' and 'text' (text), got keys {sorted(row)}")
+        pid = str(row["id"])
+        if pid in seen:
+            raise EnvDataError(f"malformed corpus {path}: passage {n} repeats id {pid!r}")
+        seen.add(pid)
+        out.append({"id": pid, "title": row["title"], "text": row["text"]})
+    return out
+
+
+def _qa_record(row: dict, where: str, index: int) -> dict:
+    """One question in the Search-R1 layout → {id, question, golden_answers, data_source, task_type[, demo]}."""
+    question = row.get("question")
+    if not isinstance(question, str):  # verl layout: the question is at the end of the prompt
+        prompt = row.get("prompt")
+        content = prompt[0].get("content") if isinstance(prompt, (list, tuple)) and prompt and \
+            isinstance(prompt[0], dict) else None
+        if isinstance(content, str) and "Question:" in content:
+            question = content.rsplit("Question:", 1)[1]
+    golds = row.get("golden_answers")
+    if golds is None:
+        golds = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
+    if isinstance(golds, str):
+        golds = [golds]
+    golds = [str(g) for g in golds] if golds is not None and not isinstance(golds, dict) else None
+    source = row.get("data_source")
+    if not isinstance(question, str) or not question.strip():
+        raise EnvDataError(f"malformed QA file {where}: record {index} has no 'question'")
+    if not golds:
+        raise EnvDataError(f"malformed QA file {where}: record {index} has no 'golden_answers' "
+                           f"(nor reward_model.ground_truth.target)")
+    if source not in SEARCH_TASK_TYPES:
+        raise EnvDataError(f"malformed QA file {where}: record {index} has data_source {source!r}; "
+                           f"known sources: {sorted(SEARCH_TASK_TYPES)}")
+    raw_id = row.get("id")
+    if raw_id is None:
+        raw_id = (row.get("extra_info") or {}).get("index", index - 1)
+    rec = {"id": f"{source}:{raw_id}", "question": " ".join(question.split()), "golden_answers": golds,
+           "data_source": source, "task_type": SEARCH_TASK_TYPES[source]}
+    if isinstance(row.get("demo"), dict):
+        rec["demo"] = row["demo"]
+    return rec
+
+
+def load_qa(path: str) -> list[dict]:
+    """Questions of a Search-R1 data file (.jsonl, or .parquet with pyarrow installed).
+
+    Accepted fields: `question` (or the verl `prompt`, whose text ends with "Question: ..."),
+    `golden_answers` (or `reward_model.ground_truth.target`), `data_source` (one of
+    SEARCH_TASK_TYPES), optional `id` (else `extra_info.index`, else the position) and our `demo`.
+    Task ids are "<data_source>:<id>" (the merged Search-R1 test file reuses ids across sources).
+    """
+    if path.endswith(".parquet"):
+        if not os.path.isfile(path):
+            raise EnvDataError(f"QA file {path!r} does not exist")
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise EnvDataError(f"reading {path} needs pyarrow (`pip install pyarrow`), or convert it to "
+                               f"JSONL first") from None
+        rows = pq.read_table(path).to_pylist()
+        if not rows:
+            raise EnvDataError(f"QA file {path!r} is empty")
+    else:
+        rows = _read_jsonl(path, "QA file")
+    out = [_qa_record(row, path, n) for n, row in enumerate(rows, 1)]
+    ids = Counter(r["id"] for r in out)
+    dup = [i for i, c in ids.items() if c > 1]
+    if dup:
+        raise EnvDataError(f"malformed QA file {path}: repeated ids {dup[:5]}")
+    return out
+
+
+def list_qa(data_root: str, split: str, task_types=None) -> list[dict]:
+    """Questions of `<data_root>/<split>.jsonl` (or `.parquet`), optionally only 'single'/'multi'."""
+    fix = ("generate the small set with `python qa_gen.py --out <data_root>` or fetch Search-R1's "
+           "data (see the envs.py docstring)")
+    paths = [os.path.join(data_root, f"{split}.{ext}") for ext in ("jsonl", "parquet")]
+    path = next((p for p in paths if os.path.isfile(p)), None)
+    if path is None:
+        raise EnvDataError(f"no QA split file {paths[0]!r} (nor .parquet); {fix}")
+    rows = load_qa(path)
+    if task_types is not None:
+        wanted = {task_types} if isinstance(task_types, str) else set(task_types)
+        bad = wanted - set(SEARCH_TYPES)
+        if bad or not wanted:
+            raise EnvDataError(f"unknown search task types {sorted(bad) or '(none)'}; expected {list(SEARCH_TYPES)}")
+        rows = [r for r in rows if r["task_type"] in wanted]
+        if not rows:
+            raise EnvDataError(f"no questions of types {sorted(wanted)} in {path!r}")
+    return rows
+
+
+# -- retrievers: search(queries, k) -> one list of passage dicts {id, title, text, score} per query
+
+
+def _contents_to_passage(doc: dict, score) -> dict:
+    """A Search-R1 server document ({"id", "contents": '"Title"\\ntext'}) as a passage dict."""
+    if "contents" in doc:
+        title, _, text = str(doc["contents"]).partition("\n")
+        title = title.strip().strip('"')
+    else:
+        title, text = str(doc.get("title", "")), str(doc.get("text", ""))
+    return {"id": str(doc.get("id", "")), "title": title, "text": text.strip(),
+            "score": float(score) if score is not None else None}
+
+
+class BM25Retriever:
+    """In-process BM25 (the `bm25s` package) over a JSONL corpus of {"id", "title", "text"}.
+
+    The index of `title + text` (lowercased words of 2+ characters, English stopwords removed) is
+    built once and saved next to the corpus in `.bm25_<corpus name>_<content hash>/`; a later
+    retriever over the same bytes loads it (`from_cache` tells which happened). Passages with a
+    zero score (no query word in them) are not returned, so a query may get fewer than k.
+    """
+
+    def __init__(self, corpus_path: str, cache: bool = True):
+        import hashlib
+        import bm25s
+        self.corpus_path = corpus_path
+        self.passages = load_corpus(corpus_path)
+        with open(corpus_path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        stem = os.path.splitext(os.path.basename(corpus_path))[0]
+        self.cache_dir = os.path.join(os.path.dirname(os.path.abspath(corpus_path)), f".bm25_{stem}_{digest}")
+        self.from_cache = False
+        if cache and os.path.isfile(os.path.join(self.cache_dir, "params.index.json")):
+            self.index = bm25s.BM25.load(self.cache_dir, show_progress=False)
+            self.from_cache = True
+        else:
+            texts = [p["title"] + " " + p["text"] for p in self.passages]
+            self.index = bm25s.BM25()
+            self.index.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+            if cache:  # written to a temp folder, then renamed: a crash leaves no half index
+                tmp = f"{self.cache_dir}.tmp{os.getpid()}"
+                self.index.save(tmp, show_progress=False)
+                try:
+                    os.replace(tmp, self.cache_dir)
+                except OSError:  # another process saved it first
+                    import shutil
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+    def search(self, queries: list[str], k: int = 3) -> list[list[dict]]:
+        import bm25s
+        if not queries:
+            return []
+        k = min(k, len(self.passages))
+        tokens = bm25s.tokenize(list(queries), stopwords="en", return_ids=False, show_progress=False)
+        docs, scores = self.index.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+        out = []
+        for row_d, row_s in zip(docs.tolist(), scores.tolist()):
+            out.append([dict(self.passages[d], score=float(s)) for d, s in zip(row_d, row_s) if s > 0])
+        return out
+
+
+class HTTPRetriever:
+    """Client of a Search-R1 retrieval server: POST <url> with {"queries", "topk", "return_scores"},
+    reply {"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]} (documents without
+    scores are accepted too). `url` is the server's base or its /retrieve address.
+
+    Each try waits at most `timeout` s; connection errors, timeouts and HTTP 5xx are retried
+    `retries` times with exponential backoff (backoff, 2·backoff, ...); HTTP 4xx and malformed
+    replies fail at once. Failure raises RetrieverTimeout / RetrieverError naming the URL.
+    Loopback addresses bypass any HTTP proxy from the environment.
+    """
+
+    def __init__(self, url: str, timeout: float = 10.0, retries: int = 2, backoff: float = 0.5):
+        import urllib.parse
+        import urllib.request
+        url = url.rstrip("/")
+        self.url = url if url.endswith("/retrieve") else url + "/retrieve"
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        host = urllib.parse.urlsplit(self.url).hostname or ""
+        handlers = [urllib.request.ProxyHandler({})] if host in ("localhost", "127.0.0.1", "::1") else []
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def search(self, queries: list[str], k: int = 3) -> list[list[dict]]:
+        import socket
+        import urllib.error
+        import urllib.request
+        if not queries:
+            return []
+        body = json.dumps({"queries": list(queries), "topk": int(k), "return_scores": True}).encode("utf-8")
+        last, timed_out = None, False
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            req = urllib.request.Request(self.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with self._opener.open(req, timeout=self.timeout) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:200].decode("utf-8", "replace")
+                if e.code < 500:
+                    raise RetrieverError(f"retrieval server {self.url} answered HTTP {e.code}: {detail}") from None
+                last, timed_out = f"HTTP {e.code}: {detail}", False
+                continue
+            except (socket.timeout, TimeoutError) as e:
+                last, timed_out = f"no reply within {self.timeout}s ({e})", True
+                continue
+            except urllib.error.URLError as e:
+                timed_out = isinstance(e.reason, (socket.timeout, TimeoutError))
+                last = f"no reply within {self.timeout}s" if timed_out else str(e.reason)
+                continue
+            except (ConnectionError, OSError) as e:
+                last, timed_out = f"{type(e).__name__}: {e}", False
+                continue
+            return self._parse(raw, len(queries))
+        cls = RetrieverTimeout if timed_out else RetrieverError
+        raise cls(f"retrieval server {self.url} failed after {self.retries + 1} tries: {last}. Is it "
+                  f"running? (`python retrieval_server.py --corpus <corpus.jsonl> --port <port>`, or "
+                  f"Search-R1's own server)")
+
+    def _parse(self, raw: bytes, n: int) -> list[list[dict]]:
+        try:
+            result = json.loads(raw)["result"]
+            if not isinstance(result, list) or len(result) != n:
+                raise ValueError(f"expected {n} result lists, got {type(result).__name__} "
+                                 f"of length {len(result) if isinstance(result, list) else '-'}")
+            out = []
+            for hits in result:
+                row = []
+                for h in hits:
+                    doc = h["document"] if "document" in h else h
+                    row.append(_contents_to_passage(doc, h.get("score")))
+                out.append(row)
+            return out
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise RetrieverError(f"retrieval server {self.url} sent a malformed reply: {e}; "
+                                 f"starts {raw[:200]!r}") from None
+
+
+def call_with_timeout(fn, timeout: float):
+    """fn() in a daemon thread; RetrieverTimeout after `timeout` s (the thread is abandoned, never
+    joined, so a hung retriever cannot hang the caller or block interpreter exit)."""
+    import threading
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["err"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="rsipo-retrieval")
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise RetrieverTimeout(f"the retriever did not answer within {timeout}s")
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+# -- the env
+
+
+class SearchEnv:
+    """One search episode at a time: reset(task) -> (obs, info); step(text) -> (obs, reward, done, info).
+
+    task: a question record (`load_qa`) or its id in `tasks`. The first observation is "" (nothing
+    searched yet). Every step is one turn: a valid search returns `format_passages` of the top
+    `top_k` passages; a valid answer ends the episode with reward R_EM on an exact match (`won`);
+    an invalid turn returns INVALID_SEARCH_OBS with `invalid_action` True. After `max_turns` turns
+    without an answer the episode ends (`truncated`, reward 0). A retriever error or timeout ends
+    the episode as failed (`error` set, reward 0).
+    """
+
+    def __init__(self, retriever, tasks: dict | None = None, max_turns: int = 4, top_k: int = 3,
+                 timeout: float = 30.0):
+        self.retriever, self.tasks = retriever, tasks or {}
+        self.max_turns, self.top_k, self.timeout = max_turns, top_k, timeout
+        self.task: dict | None = None
+        self.done = True
+
+    def reset(self, task) -> tuple[str, dict]:
+        if isinstance(task, str):
+            if task not in self.tasks:
+                raise EnvDataError(f"unknown question id {task!r}")
+            task = self.tasks[task]
+        self.task, self.turns, self.searches, self.done, self.won = task, 0, 0, False, False
+        return "", self._info()
+
+    def _info(self, **kw) -> dict:
+        t = self.task
+        info = {"won": self.won, "task_type": t["task_type"], "task": t["question"], "id": t["id"],
+                "golden_answers": list(t["golden_answers"]), "admissible": [], "steps": self.turns,
+                "searches": self.searches, "truncated": False, "invalid_action": False, "answer": None,
+                "error": None}
+        info.update(kw)
+        return info
+
+    def query_of(self, action_text) -> str | None:
+        """The search query of a turn, if it is a valid search (what the pool batches)."""
+        parsed = split_search_action(action_text)
+        return parsed[1] if parsed and parsed[0] == "search" else None
+
+    def apply(self, action_text, passages: list[dict] | None = None, error: str | None = None):
+        """Advance one turn given the retrieval result of its query (the pool retrieves in batch)."""
+        if self.task is None or self.done:
+            raise RuntimeError("SearchEnv.step before reset or after the episode ended")
+        self.turns += 1
+        if error is not None:
+            self.done = True
+            return "", 0.0, True, self._info(error=error)
+        parsed = split_search_action(action_text)
+        reward, answer = 0.0, None
+        if parsed is None:
+            obs = INVALID_SEARCH_OBS
+        elif parsed[0] == "search":
+            self.searches += 1
+            obs = format_passages(passages or [])
+        else:
+            answer = parsed[1]
+            self.won = exact_match(answer, self.task["golden_answers"])
+            reward, obs, self.done = (R_EM if self.won else 0.0), "", True
+        truncated = not self.done and self.turns >= self.max_turns
+        self.done = self.done or truncated
+        return obs, reward, self.done, self._info(truncated=truncated, invalid_action=parsed is None, answer=answer)
+
+    def step(self, action_text):
+        query = None if self.done else self.query_of(action_text)
+        if query is None:
+            return self.apply(action_text)
+        try:
+            hits = call_with_timeout(lambda: self.retriever.search([query], self.top_k), self.timeout)[0]
+        except RetrieverError as e:
+            return self.apply(action_text, error=f"{type(e).__name__}: {e}")
+        return self.apply(action_text, hits[:self.top_k])
+
+
+class SearchPool:
+    """Many SearchEnv episodes stepped in lock-step, in-process (search is cheap; no workers).
+
+    Same calls as EnvPool: reset(task_ids) (a question id may repeat: each copy is its own
+    episode), step(actions) -> None for finished episodes, `stats`, close(), context manager.
+    The queries of one lock-step go to the retriever as one batch under one `timeout`; a timeout
+    or retriever error fails the episodes that searched in that step (done, reward 0, `error`
+    set, counted in `stats`) and the run goes on. Also carries what `rollout.run_episodes` needs
+    from an env family: task_key, task_prefix, stop_texts, build_prompt, parse_action.
+    """
+
+    task_key = "id"
+    task_prefix = QUESTION_PREFIX
+    stop_texts = SEARCH_STOP_TEXTS
+    build_prompt = staticmethod(build_search_prompt)
+    parse_action = staticmethod(parse_search_action)
+
+    def __init__(self, retriever, tasks, max_turns: int = 4, top_k: int = 3, timeout: float = 30.0):
+        if not isinstance(tasks, dict):
+            tasks = {t["id"]: t for t in tasks}
+        self.retriever, self.tasks = retriever, tasks
+        self.max_turns, self.top_k, self.timeout = max_turns, top_k, timeout
+        self.stats = {"errors": 0, "timeouts": 0, "retriever_errors": 0, "searches": 0}
+        self.envs: list[SearchEnv] = []
+        self.active: list[bool] = []
+        self._closed = False
+
+    def reset(self, task_ids: list[str]) -> list[tuple[str, dict]]:
+        self._check_open()
+        self.envs, self.active, out = [], [], []
+        for tid in task_ids:
+            env = SearchEnv(self.retriever, self.tasks, self.max_turns, self.top_k, self.timeout)
+            if tid not in self.tasks:
+                self.stats["errors"] += 1
+                info = {"won": False, "task_type": None, "task": None, "id": tid, "admissible": [],
+                        "steps": 0, "truncated": False, "invalid_action": False,
+                        "error": f"EnvDataError: unknown question id {tid!r}"}
+                self.envs.append(env)
+                self.active.append(False)
+                out.append(("", info))
+                continue
+            out.append(env.reset(tid))
+            self.envs.append(env)
+            self.active.append(True)
+        return out
+
+    def step(self, actions: list) -> list:
+        self._check_open()
+        if len(actions) != len(self.envs):
+            raise ValueError(f"SearchPool.step got {len(actions)} actions for {len(self.envs)} episodes")
+        live = [i for i, a in enumerate(self.active) if a]
+        queries = {i: self.envs[i].query_of(actions[i]) for i in live}
+        asked = [i for i in live if queries[i] is not None]
+        hits: dict[int, list[dict]] = {}
+        error = None
+        if asked:
+            self.stats["searches"] += len(asked)
+            try:
+                res = call_with_timeout(lambda: self.retriever.search([queries[i] for i in asked], self.top_k),
+                                        self.timeout)
+                if len(res) != len(asked):
+                    raise RetrieverError(f"the retriever returned {len(res)} result lists for {len(asked)} queries")
+                hits = {i: r[:self.top_k] for i, r in zip(asked, res)}
+            except RetrieverError as e:
+                self.stats["timeouts" if isinstance(e, RetrieverTimeout) else "retriever_errors"] += 1
+                error = f"{type(e).__name__}: {e}"
+        out: list = [None] * len(actions)
+        for i in live:
+            failed = error is not None and i in queries and queries[i] is not None
+            r = self.envs[i].apply(actions[i], hits.get(i), error if failed else None)
+            if failed:
+                self.stats["errors"] += 1
+            self.active[i] = not r[2]
+            out[i] = r
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SearchPool is closed")
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "SearchPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

