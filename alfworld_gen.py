@@ -41,6 +41,10 @@ Run:  python alfworld_gen.py --out data/alfworld --room small --train 120 --vali
           --valid_unseen 60 --seed 0
 Verify the whole set (every walkthrough replayed in the engine):
       python alfworld_gen.py --out data/alfworld --verify
+Warm-start data of the tiny preset [ours] (walkthroughs only, no game files, other seed; every one
+was won by the expert in the engine while it was generated; train scenes only):
+      python alfworld_gen.py --out data/alfworld_sft --walkthroughs_only --train 480 --valid_seen 0 \
+          --valid_unseen 0 --seed 1
 Test: pytest tests/test_alfworld_gen.py
 """
 from __future__ import annotations
@@ -430,11 +434,13 @@ def build_game(spec: GameSpec, trial: str) -> dict:
             "pddl_problem": problem_pddl(spec, f"plan_{trial}"), "solvable": True}
 
 
-def write_game(split_dir: Path, spec: GameSpec, trial: str, game: dict, actions, trace) -> Path:
+def write_game(split_dir: Path, spec: GameSpec, trial: str, game: dict, actions, trace,
+               with_game: bool = True) -> Path:
     folder = split_dir / f"{spec.task_type}-{spec.obj}-None-{spec.recep or spec.toggle}-{spec.scene}" / trial
     folder.mkdir(parents=True, exist_ok=True)
     game = dict(game, walkthrough=actions)
-    (folder / "game.tw-pddl").write_text(json.dumps(game))
+    if with_game:   # walkthrough-only folders (warm-start data) leave the 25 KB game file out
+        (folder / "game.tw-pddl").write_text(json.dumps(game))
     traj = {
         "task_type": spec.task_type,
         "task_id": trial,
@@ -457,8 +463,10 @@ def scenes_for(split: str) -> list[int]:
     return sorted(C.TEST_SCENE_NUMBERS if split == "valid_unseen" else C.TRAIN_SCENE_NUMBERS)
 
 
-def generate_split(out: Path, split: str, n: int, room: str, seed: int, verbose: bool = True) -> list[Path]:
-    """Generate n engine-verified games for `split`, cycling through the six task types."""
+def generate_split(out: Path, split: str, n: int, room: str, seed: int, verbose: bool = True,
+                   with_game: bool = True) -> list[Path]:
+    """Generate n engine-verified games for `split`, cycling through the six task types
+    (with_game=False: only traj_data.json and walkthrough.json, the warm-start data of the tiny preset)."""
     if room not in ROOM_SIZES:
         raise ValueError(f"--room must be one of {sorted(ROOM_SIZES)}, got {room!r}")
     split_seed = {"train": 0, "valid_seen": 1, "valid_unseen": 2}[split]
@@ -492,7 +500,7 @@ def generate_split(out: Path, split: str, n: int, room: str, seed: int, verbose:
             if verbose:
                 print(f"  skipped {task_type} in FloorPlan{scene.num}: {e}", file=sys.stderr)
             continue
-        paths.append(write_game(split_dir, spec, trial, game, actions, trace))
+        paths.append(write_game(split_dir, spec, trial, game, actions, trace, with_game))
         i += 1
         if bar:
             bar.update(1)
@@ -536,6 +544,8 @@ def main(argv=None):
     p.add_argument("--valid_unseen", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify", action="store_true", help="replay every stored walkthrough under --out and exit")
+    p.add_argument("--walkthroughs_only", action="store_true",
+                   help="[ours] write only traj_data.json + walkthrough.json (no game file): warm-start data")
     a = p.parse_args(argv)
     if a.verify:
         sys.exit(0 if not verify(a.out)["failed"] else 1)
@@ -544,7 +554,7 @@ def main(argv=None):
         if n < 0:
             p.error(f"--{split} must be >= 0")
         if n:
-            generate_split(Path(a.out), split, n, a.room, a.seed)
+            generate_split(Path(a.out), split, n, a.room, a.seed, with_game=not a.walkthroughs_only)
 
 
 if __name__ == "__main__":

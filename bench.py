@@ -7,6 +7,7 @@ figures are saved as JSON.
 
     python bench.py                                   # tiny model, grpo and rsipo, 3 steps each
     python bench.py --model Qwen/Qwen2.5-0.5B-Instruct --algos grpo --steps 2 --max_new_tokens 64
+    python bench.py -- --opsd_keep 0.3                # train.py flags after `--` go to every run
 
 Rollout tokens/s = generated response tokens / rollout seconds. Update tokens/s = tokens of the
 sequences (prompt + response) that went through forward+backward / update seconds.
@@ -30,7 +31,7 @@ def bench(algo: str, a, out_dir: str) -> dict:
             "--tasks_per_step", str(a.tasks_per_step), "--group_size", str(a.group_size),
             "--max_new_tokens", str(a.max_new_tokens), "--eval", "false", "--save_every", "0",
             "--out_dir", out_dir, "--run_name", f"bench_{algo}", "--resume", "false", "--seed", str(a.seed),
-            "--data_root", a.data_root]
+            "--data_root", a.data_root, *a.extra]
     train.main(argv)
     rows = [json.loads(l) for l in (Path(out_dir) / f"bench_{algo}" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step" in r][1:] or [r for r in rows if "time/step" in r]  # drop warm-up
@@ -56,7 +57,10 @@ def main(argv=None):
     p.add_argument("--data_root", default="data/alfworld")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench.json")
-    a = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []   # more train.py flags, for every algo
+    a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    a.extra = extra
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for algo in a.algos.split(","):

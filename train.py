@@ -23,7 +23,8 @@ Choices, all **[ours]**:
    because FSDP2 needs every rank to run the same number of forward/backward passes.
 3. `--model tiny`: a 2-layer Qwen2 (hidden 128) with a word-level tokenizer trained on the games'
    text, and a warm start by behaviour cloning of the games' engine-verified walkthroughs (no
-   downloads). `--constrained` decoding (tiny preset only, see rollout.py) is on by default for it.
+   downloads): the RL games' own plus `--sft_walkthroughs` (480 walkthrough-only games; with the
+   120 alone the warm start overfits). `--constrained` decoding (tiny preset only, see rollout.py) is on by default for it.
 4. RL tasks are sampled uniformly from the training games each step (seeded).
 5. `--drop_zero_adv`: turn-samples with advantage 0 and no teacher signal (λ = 0) are left out of
    the update (all-fail / all-win GRPO groups carry no policy gradient; only KL/entropy).
@@ -115,14 +116,14 @@ class Args:
     top_k: int = arg(3, "search: passages per query (Search-R1: 3)")
     retrieval_timeout: float = arg(30.0, "search: seconds one lock-step's retrieval may take; then its episodes fail [ours]")
     # --- RL ---
-    steps: int = arg(12, "RL steps")
+    steps: int = arg(16, "RL steps")
     max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
     tasks_per_step: int = arg(8, "B: tasks per step (over all ranks)")
     group_size: int = arg(8, "N: episodes per task (GRPO group)")
-    lr: float = arg(2e-4, "RL learning rate (papers: 1e-6 for 7B; the tiny model needs more)")
+    lr: float = arg(5e-5, "RL learning rate (papers: 1e-6 for 7B; the tiny model needs more)")
     lr_warmup: int = arg(0, "linear warmup of the RL learning rate over this many optimizer steps [ours]")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate, Eq. (10)")
-    c_kl: float = arg(0.01, "coefficient of the k3 KL to the reference model, Eq. (12)")
+    c_kl: float = arg(0.05, "coefficient of the k3 KL to the reference model, Eq. (12) (papers: 0.01; tiny default 0.05)")
     c_ent: float = arg(0.001, "entropy bonus coefficient, Eq. (12)")
     p_fmt: float = arg(0.1, "format penalty per turn without a parsable action (ALFWorld 0.1)")
     r_win: float = arg(10.0, "reward for a won episode (ALFWorld 10)")
@@ -130,7 +131,7 @@ class Args:
     top_p: float = arg(1.0, "rollout top-p")
     max_new_tokens: int = arg(48, "max response tokens per turn (papers: 512)")
     max_prompt_tokens: int = arg(2048, "prompts are truncated from the left to this length")
-    mini_batch: int = arg(256, "turn-samples per optimizer step (over all ranks); one epoch per RL step")
+    mini_batch: int = arg(64, "turn-samples per optimizer step (over all ranks); one epoch per RL step (papers: 256)")
     micro_batch: int = arg(32, "turn-samples per forward/backward on one rank")
     micro_tokens: int = arg(0, "[ours] micro-batches by padded-token budget per forward instead (0 = by count, --micro_batch)")
     grad_clip: float = arg(1.0, "gradient norm clip")
@@ -151,14 +152,16 @@ class Args:
     bank_capacity: int = arg(8, "skill bank: skills kept per task type")
     # --- SFT warm start ---
     sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)")
-    sft_steps: int = arg(300, "SFT optimizer steps (0 = skip)")
+    sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: more walkthroughs (no game files) "
+                                "for the warm start, besides the RL games' own ('' = none)")
+    sft_steps: int = arg(600, "SFT optimizer steps (0 = skip)")
     sft_lr: float = arg(2e-3, "SFT learning rate (SEED: 5e-6 for 7B)")
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
     # --- eval / save ---
     eval: bool = arg(True, "evaluate on held-out games before and after RL")
     eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
     eval_temperature: float = arg(0.4, "eval sampling temperature (0 = greedy; papers: 0.4)")
-    eval_repeats: int = arg(2, "episodes per held-out game at evaluation (sampled eval is noisy)")
+    eval_repeats: int = arg(3, "episodes per held-out game at evaluation (sampled eval is noisy)")
     eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
     save_every: int = arg(4, "checkpoint every k RL steps")
 
@@ -185,6 +188,10 @@ class Args:
             bad("group_size", f"must be >= 2 (a group of 1 has no advantage), got {self.group_size}")
         if not (self.lr > 0 and self.sft_lr > 0):
             bad("lr", "and --sft_lr must be > 0")
+        if self.sft_walkthroughs and self.model == "tiny" and self.env == "alfworld" and not self.sft_data \
+                and not Path(self.sft_walkthroughs).is_dir():
+            bad("sft_walkthroughs", f"folder not found: {self.sft_walkthroughs} (make it with alfworld_gen.py "
+                "--walkthroughs_only, see README, or pass --sft_walkthroughs '')")
         if self.sft_data and not Path(self.sft_data).is_file():
             bad("sft_data", f"file not found: {self.sft_data}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -307,6 +314,7 @@ def tiny_model(vocab_size: int, args: Args):
 
 def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False) -> list[tuple[str, str]]:
     """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed).
+    `gamefiles`: game files (their walkthrough.json beside them is read) or walkthrough.json paths.
 
     skills=True [ours] adds the tiny analogue of the paper's skill-annotated warm start: for every
     game an analyzer sample after the success (the rule-based workflow of `skills.rule_skill`),
@@ -315,7 +323,7 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
     """
     out = []
     for g in gamefiles:
-        wt = Path(g).with_name("walkthrough.json")
+        wt = Path(g) if Path(g).name == "walkthrough.json" else Path(g).with_name("walkthrough.json")
         if not wt.exists():
             continue
         d = json.loads(wt.read_text())
@@ -323,7 +331,7 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
         steps = [(s["obs"], s["action"]) for s in d["steps"] if s["action"] is not None]
         skill = None
         if skills:
-            traj = json.loads(Path(g).with_name("traj_data.json").read_text())
+            traj = json.loads(wt.with_name("traj_data.json").read_text())
             p, ttype = traj["pddl_params"], TASK_TYPES[traj["task_type"]]
             took = [a.split(" from ", 1)[1] for _, a in steps if a.startswith("take ")]
             skill = rule_skill(ttype, p["object_target"], p["parent_target"], p["toggle_target"], True, took[:1])
@@ -426,7 +434,21 @@ def warm_start_pairs(args: Args, data: EnvData, pool, skills: bool) -> list[tupl
     """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations."""
     if args.env == "search":
         return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
-    return walkthrough_samples(data.train, args.history_len, skills=skills)
+    extra = sorted(str(p) for p in Path(args.sft_walkthroughs).glob("json_2.1.1/*/*/*/walkthrough.json")) \
+        if args.sft_walkthroughs and not args.sft_data else []
+    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills)
+
+
+def load_tokenizer(name_or_path: str):
+    """AutoTokenizer, except for a tiny-preset checkpoint (warm_start/, final/): its word-level tokenizer
+    is saved as a plain `tokenizers` backend, which AutoTokenizer would rebuild as Qwen2's BPE class
+    from the model config (different ids), so it is loaded as the fast tokenizer it is."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    cfg = Path(name_or_path) / "tokenizer_config.json"
+    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in ("TokenizersBackend",
+                                                                               "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(name_or_path)
+    return AutoTokenizer.from_pretrained(name_or_path)
 
 
 def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str], tok_texts=None):
@@ -447,7 +469,7 @@ def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str], 
         torch.manual_seed(args.seed)
         model = tiny_model(len(tok), args)
     else:
-        tok = AutoTokenizer.from_pretrained(args.model)
+        tok = load_tokenizer(args.model)
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         # GPU under torchrun: fp32 master weights (lr 1e-6 steps vanish in bf16), bf16 compute via `shard`
@@ -841,6 +863,8 @@ def main(argv=None):
     # ---------------- model, rollout copy, reference ----------------
     pool = make_pool(args, data)
     tok_texts = None
+    if args.env == "alfworld" and args.model == "tiny":   # every warm-start text, skills included
+        tok_texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True)]
     if args.env == "search" and args.model == "tiny":   # the demonstrations, the whole corpus, fixed texts
         tok_texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True)]
         tok_texts += [p["title"] + " " + p["text"] for p in getattr(pool.retriever, "passages", [])]

@@ -136,14 +136,14 @@ def main(argv=None):
     import rsipo
     import train
     from rollout import VLLMEngine
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     rank, world = train.dist_setup()
     train.RANK, train.WORLD = rank, world
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     path = args.model or build_model(args, rank)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = train.load_tokenizer(path)   # a tiny-preset tokenizer is not what AutoTokenizer rebuilds
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     words = [w for w in tok.get_vocab() if w.isalnum()] or ["hello"]
 

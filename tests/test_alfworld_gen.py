@@ -73,3 +73,13 @@ def test_bad_room_and_missing_root(tmp_path):
         G.generate_split(tmp_path, "train", 1, "huge", seed=0, verbose=False)
     with pytest.raises(FileNotFoundError, match="no games"):
         G.verify(tmp_path / "nothing", verbose=False)
+
+
+def test_walkthroughs_only_writes_the_same_trace_without_the_game_file(tmp_path):
+    # same seed and split as a full generation → the same games; only game.tw-pddl is left out
+    full = G.generate_split(tmp_path / "full", "train", 2, "small", seed=5, verbose=False)
+    only = G.generate_split(tmp_path / "only", "train", 2, "small", seed=5, verbose=False, with_game=False)
+    for f, o in zip(full, only):
+        assert f.exists() and not o.exists()
+        assert sorted(p.name for p in o.parent.iterdir()) == ["traj_data.json", "walkthrough.json"]
+        assert (o.parent / "walkthrough.json").read_text() == (f.parent / "walkthrough.json").read_text()

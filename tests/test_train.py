@@ -150,3 +150,28 @@ def test_lr_warmup_ramps_with_adams_own_step_count():
     lrs = [T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)["update/lr"] for _ in range(5)]
     # steps taken before each update: 0, 1, 2, 3, 4 → lr · min(1, (n+1)/4)
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
+def test_tiny_tokenizer_round_trips_through_a_saved_checkpoint(tmp_path):
+    # AutoTokenizer would rebuild a saved tiny tokenizer as Qwen2's BPE class (other ids);
+    # load_tokenizer must give back exactly the ids the policy was trained with.
+    tok = T.train_tiny_tokenizer(["go to desk 1", "take mug 1 from desk 1 <think> </think> <action> </action>"])
+    tok.save_pretrained(tmp_path)
+    back = T.load_tokenizer(str(tmp_path))
+    s = "<think> </think> <action> take mug 1 from desk 1 </action>"
+    assert back.encode(s, add_special_tokens=False) == tok.encode(s, add_special_tokens=False)
+    assert T.chat_ids(back, "go to desk 1") == T.chat_ids(tok, "go to desk 1")
+    assert back.eos_token_id == tok.eos_token_id and back.pad_token_id == tok.pad_token_id
+
+
+def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
+    from envs import list_games
+    games = list_games(str(ROOT / "data" / "alfworld"), "train")[:2]
+    extra = sorted((ROOT / "data" / "alfworld_sft").glob("json_2.1.1/*/*/*/walkthrough.json"))[:3]
+    own = T.walkthrough_samples(games, 2)
+    both = T.walkthrough_samples(games + [str(p) for p in extra], 2)
+    # one sample per walkthrough step with an action
+    n_extra = sum(sum(s["action"] is not None for s in json.loads(p.read_text())["steps"]) for p in extra)
+    assert n_extra > 0 and len(both) == len(own) + n_extra
+    with pytest.raises(SystemExit, match="--sft_walkthroughs"):
+        T.parse_args(["--sft_walkthroughs", str(tmp_path / "missing")])

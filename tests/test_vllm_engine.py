@@ -301,14 +301,12 @@ def test_other_vllm_version_warns(fake_vllm, tok):
 
 
 # ------------------------------------------------------------------------------------------------
-# train.py after scratch_vllm_train.patch (skips until it is applied)
+# train.py's GPU-path helpers
 # ------------------------------------------------------------------------------------------------
 
 def test_micro_batches_by_count_and_by_token_budget():
-    if not hasattr(T, "micro_batches"):
-        pytest.skip("scratch_vllm_train.patch not applied to train.py")
     mb = T.micro_batches
-    assert mb([5, 5, 5, 5, 5], 2) == [[0, 1], [2, 3], [4]]          # by count, as before the patch
+    assert mb([5, 5, 5, 5, 5], 2) == [[0, 1], [2, 3], [4]]          # by count (the CPU default)
     # budget 12 padded tokens: [3,4] → 2 x 4 = 8; adding 10 → 3 x 10 = 30 > 12; [10] alone; [2,2] → 4
     assert mb([3, 4, 10, 2, 2], 32, 12) == [[0, 1], [2], [3, 4]]
     assert mb([20, 1], 4, 12) == [[0], [1]]                          # longer than the budget: alone
@@ -316,8 +314,6 @@ def test_micro_batches_by_count_and_by_token_budget():
 
 
 def test_score_tokens_by_token_budget_keeps_sample_order(tok):
-    if not hasattr(T, "micro_batches"):
-        pytest.skip("scratch_vllm_train.patch not applied to train.py")
     torch.manual_seed(0)
     m = T.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
     S = [(ids_of(tok, "go to desk 1"), ids_of(tok, "take apple")), (ids_of(tok, "go"), ids_of(tok, "desk 1 take apple 1")),
