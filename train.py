@@ -25,7 +25,8 @@ Choices, all **[ours]**:
    text, and a warm start by behaviour cloning of the games' engine-verified walkthroughs (no
    downloads): the RL games' own plus `--sft_walkthroughs` (480 walkthrough-only games; with the
    120 alone the warm start overfits). `--constrained` decoding (tiny preset only, see rollout.py) is on by default for it.
-4. RL tasks are sampled uniformly from the training games each step (seeded).
+4. RL tasks are sampled uniformly from the training games each step (seeded), or evenly over task
+   types with `--tasks_by_type` (`draw_tasks`).
 5. `--drop_zero_adv`: turn-samples with advantage 0 and no teacher signal (λ = 0) are left out of
    the update (all-fail / all-win GRPO groups carry no policy gradient; only KL/entropy).
    `--opsd_keep p` keeps only a random fraction p of the advantage-0 turns whose task has a
@@ -119,6 +120,7 @@ class Args:
     steps: int = arg(16, "RL steps")
     max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
     tasks_per_step: int = arg(8, "B: tasks per step (over all ranks)")
+    tasks_by_type: bool = arg(True, "[ours] draw each step's tasks evenly over task types (false: uniformly, as the papers)")
     group_size: int = arg(8, "N: episodes per task (GRPO group)")
     lr: float = arg(5e-5, "RL learning rate (papers: 1e-6 for 7B; the tiny model needs more)")
     lr_warmup: int = arg(0, "linear warmup of the RL learning rate over this many optimizer steps [ours]")
@@ -370,6 +372,25 @@ class EnvData:
     eval: list[str]
     task_type: dict[str, str]
     records: dict = field(default_factory=dict)   # search: question id → record (envs.load_qa)
+
+
+def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> list[int]:
+    """Indices of this step's RL tasks: n distinct tasks uniformly, or by_type [ours]: task types in a
+    shuffled cycle (as even as n allows), a uniformly drawn unused task of each."""
+    n = min(n, len(types))
+    if not by_type:
+        return rng.sample(range(len(types)), n)
+    pools: dict[str, list[int]] = {}
+    for i, t in enumerate(types):
+        pools.setdefault(t, []).append(i)
+    order = sorted(pools)
+    rng.shuffle(order)
+    out: list[int] = []
+    while len(out) < n:
+        for t in order:
+            if len(out) < n and pools[t]:
+                out.append(pools[t].pop(rng.randrange(len(pools[t]))))
+    return out
 
 
 def env_data(args: Args, types) -> EnvData:
@@ -969,6 +990,7 @@ def main(argv=None):
         sync_rollout_weights()
         start = state["step"] if state else 0
         task_rng = random.Random(args.seed * 7919 + 1)
+        train_types = [data.task_type[g] for g in train_games]
         skill_rng = random.Random(args.seed * 104729 + RANK)
         bank = SkillBank(args.bank_capacity)
         skill_means: dict = {}
@@ -980,7 +1002,7 @@ def main(argv=None):
             if ex.get("skill_rng"):
                 skill_rng.setstate(ex["skill_rng"][RANK] if RANK < len(ex["skill_rng"]) else ex["skill_rng"][0])
         for _ in range(start):   # replay the task sampler so a resumed run draws the same tasks
-            task_rng.sample(range(len(train_games)), min(args.tasks_per_step, len(train_games)))
+            draw_tasks(task_rng, train_types, args.tasks_per_step, args.tasks_by_type)
 
         env_steps_total = next((r["train/env_steps_total"] for r in reversed(rows) if "train/env_steps_total" in r), 0)
         last_step = start
@@ -990,7 +1012,7 @@ def main(argv=None):
             t_step, times = time.time(), {}
             # ---------------- rollout ----------------
             t = time.time()
-            picks = task_rng.sample(range(len(train_games)), min(args.tasks_per_step, len(train_games)))
+            picks = draw_tasks(task_rng, train_types, args.tasks_per_step, args.tasks_by_type)
             mine = picks[RANK::WORLD]
             tasks = [{pool.task_key: train_games[i]} for i in mine]
             eps = run_episodes(engine, pool, tasks, args.group_size, history_len=args.history_len,
@@ -1187,10 +1209,13 @@ def main(argv=None):
             if RANK == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps({"step": last_step, **ev}) + "\n")
-            plot_curves(run_dir, rows)
             save_policy(run_dir / "final")
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-            if args.algo == "rsipo":
+            if RANK == 0:   # one writer (two ranks writing summary.json at once interleaved it), atomic
+                plot_curves(run_dir, rows)
+                tmp = run_dir / f"summary.json.tmp{os.getpid()}"
+                tmp.write_text(json.dumps(summary, indent=1))
+                os.replace(tmp, run_dir / "summary.json")
+            if args.algo == "rsipo" and RANK == 0:
                 bank.save(run_dir / "skill_bank.json")
                 print0(f"skill bank ({len(bank)} skills), a few of them:\n{bank.summary(2)}")
             print0(f"summary: success at start {summary.get('eval/success_at_start')} → end {summary.get('eval/success')} "

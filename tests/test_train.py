@@ -175,3 +175,17 @@ def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
     assert n_extra > 0 and len(both) == len(own) + n_extra
     with pytest.raises(SystemExit, match="--sft_walkthroughs"):
         T.parse_args(["--sft_walkthroughs", str(tmp_path / "missing")])
+
+
+def test_draw_tasks_by_type_is_even_and_uniform_is_unchanged():
+    import random
+    types = ["pick"] * 5 + ["look"] * 2 + ["heat"] * 10
+    got = T.draw_tasks(random.Random(3), types, 8, by_type=True)
+    assert len(set(got)) == 8
+    counts = {t: sum(types[i] == t for i in got) for t in ("pick", "look", "heat")}
+    # 8 over 3 types: 3/3/2 in some order, but look has only 2 tasks → look 2, the rest 3 + 3
+    assert counts["look"] == 2 and counts["pick"] == 3 and counts["heat"] == 3
+    # the uniform draw is exactly random.sample (resumed runs replay the same sequence)
+    assert T.draw_tasks(random.Random(3), types, 8, by_type=False) == random.Random(3).sample(range(17), 8)
+    # n above the number of tasks is capped (no endless loop): every task once
+    assert sorted(T.draw_tasks(random.Random(3), types, 50, by_type=True)) == list(range(17))
