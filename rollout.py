@@ -89,6 +89,13 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(out)
 
 
+def cut_after_stop(text: str, stop_texts) -> str:
+    """`text` up to the end of the first stop text completed in it (where generation stopped);
+    unchanged when none appears. Both engines cut their decoded text with it."""
+    ends = [text.index(s) + len(s) for s in stop_texts if s in text]
+    return text[:min(ends)] if ends else text
+
+
 class _PrefixTrie:
     """Allowed continuations for constrained decoding: token-id sequences stored as a trie."""
 
@@ -184,9 +191,8 @@ class HFEngine:
                     break
             toks = toks[:n]
             text = self.tok.decode(toks, skip_special_tokens=False)
-            cuts = [text.index(st) + len(st) for st in self.stop_texts if st in text]
-            if stop and not self.stop_ids and cuts:   # stop string: cut after the first one
-                text = text[: min(cuts)]
+            if stop and not self.stop_ids:   # stopped on a string: cut after it
+                text = cut_after_stop(text, self.stop_texts)
             gens.append(Generation(text, toks, lp[b, :n].tolist(), ids[b]))
         return gens
 
@@ -260,9 +266,7 @@ class VLLMEngine:
                             enable_prefix_caching=True, enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
                             **(llm_kwargs or {}))
 
-    def encode(self, prompt: str) -> list[int]:
-        ids = chat_ids(self.tok, prompt)
-        return ids[-self.max_prompt_tokens:]
+    encode = HFEngine.encode   # the same prompt ids as HFEngine: our chat template, left-truncated
 
     def _sampling_params(self, max_tokens: int, temperature: float, greedy: bool, stop: bool):
         kw = dict(n=1, max_tokens=max_tokens, logprobs=0, temperature=0.0 if greedy else temperature,
@@ -297,11 +301,8 @@ class VLLMEngine:
         if toks and c.finish_reason == "stop" and c.stop_reason is None:    # ended on EOS: dropped, as HFEngine
             toks, lps = toks[:-1], lps[:-1]
         text = self.tok.decode(toks, skip_special_tokens=False)
-        if stop:   # cut after the first stop text (a stop string may end inside the last token)
-            hits = [(text.index(s), s) for s in self.stop_texts if s in text]
-            if hits:
-                i, s = min(hits)
-                text = text[:i + len(s)]
+        if stop:   # a stop string may end inside the last token
+            text = cut_after_stop(text, self.stop_texts)
         return Generation(text, toks, lps, prompt_ids)
 
     def sleep(self):

@@ -472,19 +472,27 @@ def load_tokenizer(name_or_path: str):
     return AutoTokenizer.from_pretrained(name_or_path)
 
 
-def load_model_and_tokenizer(args: Args, run_dir: Path, train_games: list[str], tok_texts=None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def tokenizer_texts(args: Args, data: EnvData, pool) -> list[str]:
+    """What the tiny preset's word-level tokenizer is trained on: every warm-start text (skills
+    included), plus for search the whole corpus and the env's fixed texts."""
+    texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True)]
+    if args.env == "search":
+        texts += [p["title"] + " " + p["text"] for p in getattr(pool.retriever, "passages", [])]
+        texts += [envs.INVALID_SEARCH_OBS, envs.NO_RESULTS, "(1 earlier turn(s) not shown)"]
+    texts.append(analyzer_prompt("task", True, [("obs", "act")]) + " Skill for this task: [ ] user assistant system")
+    return texts
+
+
+def load_model_and_tokenizer(args: Args, run_dir: Path, texts_fn):
+    """tiny: the run's tokenizer (trained on `texts_fn()` the first time) and a model from a config;
+    else the checkpoint's tokenizer and weights."""
+    from transformers import AutoModelForCausalLM
     if args.model == "tiny":
         tok_dir = run_dir / "tokenizer"
         if (tok_dir / "tokenizer.json").exists():
-            from transformers import PreTrainedTokenizerFast
-            tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+            tok = load_tokenizer(str(tok_dir))
         else:
-            from skills import analyzer_prompt
-            texts = tok_texts if tok_texts is not None else \
-                [p + " " + r for p, r in walkthrough_samples(train_games, args.history_len, skills=True)]
-            texts.append(analyzer_prompt("task", True, [("obs", "act")]) + " Skill for this task: [ ] user assistant system")
-            tok = train_tiny_tokenizer(texts, SEARCH_SPECIALS if args.env == "search" else ())
+            tok = train_tiny_tokenizer(texts_fn(), SEARCH_SPECIALS if args.env == "search" else ())
             if RANK == 0:
                 tok.save_pretrained(tok_dir)
         torch.manual_seed(args.seed)
@@ -883,16 +891,9 @@ def main(argv=None):
 
     # ---------------- model, rollout copy, reference ----------------
     pool = make_pool(args, data)
-    tok_texts = None
-    if args.env == "alfworld" and args.model == "tiny":   # every warm-start text, skills included
-        tok_texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True)]
-    if args.env == "search" and args.model == "tiny":   # the demonstrations, the whole corpus, fixed texts
-        tok_texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True)]
-        tok_texts += [p["title"] + " " + p["text"] for p in getattr(pool.retriever, "passages", [])]
-        tok_texts += [envs.INVALID_SEARCH_OBS, envs.NO_RESULTS, "(1 earlier turn(s) not shown)"]
     if args.engine == "vllm" and not dist.is_initialized():
         raise SystemExit("error: --engine vllm runs under torchrun (one GPU too: torchrun --nproc_per_node 1 train.py ...)")
-    model, tok = load_model_and_tokenizer(args, run_dir, train_games, tok_texts)
+    model, tok = load_model_and_tokenizer(args, run_dir, lambda: tokenizer_texts(args, data, pool))
     if args.grad_ckpt:   # recompute each decoder block in backward (HF, non-reentrant: fine under FSDP2)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)

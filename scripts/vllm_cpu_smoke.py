@@ -55,12 +55,12 @@ def main(argv=None):
     import train
     from gpu_check import build_model, compare
     from rollout import VLLMEngine
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     rank, world = train.dist_setup()   # gloo on CPU
     train.RANK, train.WORLD = rank, world
     torch.manual_seed(args.seed)
     path = build_model(args, rank)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = train.load_tokenizer(path)   # AutoTokenizer would rebuild the word-level tokenizer with other ids
     model = train.shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
     engine = VLLMEngine(path, tok, max_new_tokens=args.gen_tokens, max_prompt_tokens=64, dtype="float32",
                         enable_sleep_mode=False, enforce_eager=True, logprobs_mode="raw_logprobs", seed=args.seed,
