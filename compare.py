@@ -2,8 +2,10 @@
 
 Each (algorithm, seed) is one `train.py` run in its own process, stopped when it has spent
 `--env_steps` environment steps (student rollouts plus, for RSIPO, trajectory replays), so that
-RSIPO pays for its replays. Runs that already finished are reused (their summary.json), so an
-interrupted comparison resumes. Writes <out>/compare.md (table), <out>/compare.json and
+RSIPO pays for its replays. By default every run starts from one shared warm start (built once,
+with the RSIPO warm-start data, so that it can also write skills), so the algorithms differ only
+in RL and the spread of `after warm start` over seeds is the evaluation noise. Runs that already
+finished are reused (their summary.json), so an interrupted comparison resumes. Writes <out>/compare.md (table), <out>/compare.json and
 <out>/compare.png (held-out success, and training success against environment steps).
 
     python compare.py                                    # 3 seeds x grpo/opsd/rsipo, tiny default
@@ -20,6 +22,24 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TYPES = ["pick", "look", "clean", "heat", "cool", "pick2"]
+
+
+def warm_start(a, extra: list[str]) -> list[str]:
+    """The train.py flags that start a run from the shared warm start (building it first if needed)."""
+    if a.warm_start == "none":
+        return []
+    path = Path(a.warm_start)
+    if a.warm_start == "auto":
+        path = Path(a.out) / "warm_start" / "warm_start"
+        if not (Path(a.out) / "warm_start" / "summary.json").exists():
+            cmd = [sys.executable, str(HERE / "train.py"), "--algo", "rsipo", "--steps", "0", "--seed", "0",
+                   "--out_dir", a.out, "--run_name", "warm_start", *extra]
+            print("warm start:", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True, cwd=HERE)
+    if not (path / "config.json").exists():
+        raise SystemExit(f"error: --warm_start {path}: not a Hugging Face model folder (no config.json)")
+    # a model loaded from a path is not the tiny preset, so its [ours] constrained decoding is asked for
+    return ["--model", str(path), "--sft_steps", "0", "--constrained", "true"]
 
 
 def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
@@ -53,12 +73,15 @@ def main(argv=None):
     p.add_argument("--env_steps", type=int, default=12000, help="environment-step budget per run")
     p.add_argument("--max_steps", type=int, default=100, help="RL step cap (the budget usually ends a run first)")
     p.add_argument("--out", default="runs/compare")
+    p.add_argument("--warm_start", default="auto",
+                   help="'auto' (one shared warm start under <out>/warm_start), a model folder, or 'none' (each run its own)")
     a = p.parse_args(argv)
     algos, seeds = a.algos.split(","), [int(s) for s in a.seeds.split(",")]
-    res = {algo: [run_one(algo, s, a, extra) for s in seeds] for algo in algos}
+    flags = warm_start(a, extra) + extra
+    res = {algo: [run_one(algo, s, a, flags) for s in seeds] for algo in algos}
 
     lines = [f"Held-out success (%), mean ± std over seeds {seeds}, {a.env_steps} env steps per run "
-             f"(`python compare.py --algos {a.algos} --seeds {a.seeds} --env_steps {a.env_steps}"
+             f"(`python compare.py --algos {a.algos} --seeds {a.seeds} --env_steps {a.env_steps} --warm_start {a.warm_start}"
              f"{' -- ' + ' '.join(extra) if extra else ''}`)", "",
              "| algo | after warm start | after RL | " + " | ".join(TYPES) + " | RL steps |",
              "|---" * (4 + len(TYPES)) + "|"]

@@ -726,9 +726,15 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
 def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> dict:
     """Success on held-out games (`eval_repeats` episodes each), per task type; games split across ranks."""
     mine = games[RANK::WORLD]
-    eps = run_episodes(engine, pool, [{pool.task_key: g} for g in mine], args.eval_repeats, history_len=args.history_len,
-                       temperature=args.eval_temperature, greedy=args.eval_temperature <= 0,
-                       constrained=constrained) if mine else []
+    # [ours] common random numbers: every evaluation of a run starts from the same sampling seed (the
+    # training RNG is left untouched), so an unchanged policy scores the same and start-vs-end is paired
+    # for as long as the episodes agree (HF engine; vLLM seeds its own sampler)
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(1_000_003 * (args.seed + 1) + RANK)
+        eps = run_episodes(engine, pool, [{pool.task_key: g} for g in mine], args.eval_repeats,
+                           history_len=args.history_len, temperature=args.eval_temperature,
+                           greedy=args.eval_temperature <= 0, constrained=constrained) if mine else []
     rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps)) for e in eps]) for r in part]
     out = {"eval/success": float(np.mean([w for _, w, _ in rows])) if rows else 0.0,
            "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for *_, n in rows])) if rows else 0.0}
