@@ -1113,9 +1113,11 @@ def main(argv=None):
                     t_ref = score(ref_model, pairs_s) if ref_model else [None] * len(mine_k)
                     skill_samples = [Sample(gens[k].prompt_ids, gens[k].token_ids, A_skill[offset + k], o, r, skill=True)
                                      for k, o, r in zip(mine_k, t_old, t_ref)]
-                    for k in range(K):   # the bank keeps validated skills (ĝ > 0), DESIGN §2.10
-                        if skill_of[k] is not None and replay_ok[k] and shrunk_all[offset + k] > 0:
-                            bank.add(types[k], skill_of[k], gain[k], float(shrunk_all[offset + k]), tasks[k][pool.task_key], step + 1)
+                    # the bank keeps validated skills (ĝ > 0), DESIGN §2.10; gathered so every rank holds all of them
+                    new = [(types[k], skill_of[k], gain[k], float(shrunk_all[offset + k]), tasks[k][pool.task_key], step + 1)
+                           for k in range(K) if skill_of[k] is not None and replay_ok[k] and shrunk_all[offset + k] > 0]
+                    for row_ in (r for part in all_gather_obj(new) for r in part):
+                        bank.add(*row_)
                 n_valid = sum(r[3] for r in rows_all)
                 sm_metrics.update({"skill/valid_frac": n_valid / max(1, len(rows_all)),
                                    "skill/words": float(np.mean([len(s.split()) for s in skill_of if s] or [0])),

@@ -92,3 +92,32 @@ def test_run_episodes_lockstep_on_real_engine(tiny):
     lines = eps[0].turns[0].prompt_text.splitlines()
     k = next(i for i, l in enumerate(lines) if l.startswith("Your task is to: "))
     assert lines[k + 1] == "Skill for this task: [open things first]"
+
+
+def test_evaluation_uses_common_random_numbers(tiny, monkeypatch):
+    """Two evaluations of one policy draw the same episodes, whatever the training RNG did in between,
+    and evaluating leaves the training RNG where it was."""
+    tok, model, _ = tiny
+    eng = HFEngine(model, tok, max_new_tokens=16, temperature=1.0)
+    games = list_games(DATA, "valid_unseen")[:2]
+    seen = []
+
+    def spy(*a, **k):
+        eps = run_episodes(*a, **k)
+        seen.append([[a for _, a in e.steps] for e in eps])
+        return eps
+
+    monkeypatch.setattr(T, "run_episodes", spy)
+    args = T.Args(eval_repeats=3, eval_temperature=1.0, history_len=2)
+    with EnvPool(num_workers=1, max_steps=4) as pool:
+        for seed in (1, 2):
+            torch.manual_seed(seed)          # a different training-RNG state before each evaluation
+            before = torch.get_rng_state()
+            out = T.evaluate(eng, pool, games, args, constrained=True)
+            assert torch.equal(torch.get_rng_state(), before)   # the training RNG is untouched
+            assert out["eval/episodes"] == 6
+        torch.manual_seed(3)                 # the same draws without the fixed seed differ (T = 1, random policy)
+        eps = run_episodes(eng, pool, [{"gamefile": g} for g in games], 3, history_len=2, temperature=1.0,
+                           constrained=True)
+    assert seen[0] == seen[1]
+    assert [[a for _, a in e.steps] for e in eps] != seen[0]

@@ -1,0 +1,46 @@
+"""compare.py: the shared warm start's flags, its errors, and the table built from finished runs."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import compare as C  # noqa: E402
+
+
+class A:
+    out = "unused"
+
+
+def test_warm_start_flags_and_bad_folder(tmp_path):
+    a = A()
+    a.warm_start = "none"
+    assert C.warm_start(a, []) == []
+    a.warm_start = str(tmp_path)                       # no config.json: not a model folder
+    with pytest.raises(SystemExit, match="config.json"):
+        C.warm_start(a, [])
+    (tmp_path / "config.json").write_text("{}")
+    assert C.warm_start(a, []) == ["--model", str(tmp_path), "--sft_steps", "0", "--constrained", "true"]
+
+
+def test_table_from_finished_runs(tmp_path):
+    # finished runs are reused, not rerun: fake two seeds of two algorithms
+    ends = {("grpo", 0): 0.2, ("grpo", 1): 0.3, ("rsipo", 0): 0.4, ("rsipo", 1): 0.4}
+    for (algo, seed), end in ends.items():
+        run = tmp_path / f"{algo}_s{seed}"
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"eval/success_at_start": 0.1, "eval/success": end,
+                                                      "eval/success_pick": end}))
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps({"train/env_steps_total": 1000 * s,
+                                                                 "train/success": 0.1 * s}) for s in (1, 2, 3)))
+    C.main(["--algos", "grpo,rsipo", "--seeds", "0,1", "--out", str(tmp_path), "--warm_start", "none"])
+    md = (tmp_path / "compare.md").read_text()
+    # grpo: mean(20, 30) = 25.0, sample std = sqrt(((20-25)^2 + (30-25)^2) / 1) = 7.07; rsipo: 40.0 ± 0.0
+    assert "| grpo | 10.0 ± 0.0 | 25.0 ± 7.1 | 25.0 ± 7.1 |" in md
+    assert "| rsipo | 10.0 ± 0.0 | 40.0 ± 0.0 | 40.0 ± 0.0 |" in md
+    assert md.rstrip().endswith("| 3, 3 |")       # RL steps per seed, from metrics.jsonl
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    table = json.loads((tmp_path / "compare.json").read_text())["table"]
+    assert table["grpo"]["end"] == [0.2, 0.3]
