@@ -83,16 +83,19 @@ def main(argv=None):
     lines = [f"Held-out success (%), mean ± std over seeds {seeds}, {a.env_steps} env steps per run "
              f"(`python compare.py --algos {a.algos} --seeds {a.seeds} --env_steps {a.env_steps} --warm_start {a.warm_start}"
              f"{' -- ' + ' '.join(extra) if extra else ''}`)", "",
-             "| algo | after warm start | after RL | " + " | ".join(TYPES) + " | RL steps |",
-             "|---" * (4 + len(TYPES)) + "|"]
+             "| algo | after warm start | after RL | gain (paired) | " + " | ".join(TYPES) + " | RL steps |",
+             "|---" * (5 + len(TYPES)) + "|"]
     table = {}
     for algo, runs in res.items():
         start = [r.get("eval/success_at_start") for r in runs if r.get("eval/success_at_start") is not None]
         end = [r.get("eval/success") for r in runs if r.get("eval/success") is not None]
         per = {t: [r[f"eval/success_{t}"] for r in runs if f"eval/success_{t}" in r] for t in TYPES}
         steps = [len(r["curve"]) for r in runs]
-        table[algo] = {"start": start, "end": end, "per_type": per, "rl_steps": steps}
-        lines.append(f"| {algo} | {fmt(start)} | {fmt(end)} | " + " | ".join(fmt(per[t]) for t in TYPES)
+        # end − start of each run: both evaluations of a seed draw the same random numbers (train.evaluate)
+        gain = [r["eval/success"] - r["eval/success_at_start"] for r in runs
+                if r.get("eval/success") is not None and r.get("eval/success_at_start") is not None]
+        table[algo] = {"start": start, "end": end, "gain": gain, "per_type": per, "rl_steps": steps}
+        lines.append(f"| {algo} | {fmt(start)} | {fmt(end)} | {fmt(gain)} | " + " | ".join(fmt(per[t]) for t in TYPES)
                      + f" | {', '.join(map(str, steps))} |")
     md = "\n".join(lines) + "\n"
     out = Path(a.out)

@@ -38,9 +38,11 @@ def test_table_from_finished_runs(tmp_path):
     C.main(["--algos", "grpo,rsipo", "--seeds", "0,1", "--out", str(tmp_path), "--warm_start", "none"])
     md = (tmp_path / "compare.md").read_text()
     # grpo: mean(20, 30) = 25.0, sample std = sqrt(((20-25)^2 + (30-25)^2) / 1) = 7.07; rsipo: 40.0 ± 0.0
-    assert "| grpo | 10.0 ± 0.0 | 25.0 ± 7.1 | 25.0 ± 7.1 |" in md
-    assert "| rsipo | 10.0 ± 0.0 | 40.0 ± 0.0 | 40.0 ± 0.0 |" in md
+    # paired gain end − start: grpo 10 and 20 → 15.0 ± 7.1; rsipo 30 and 30 → 30.0 ± 0.0
+    assert "| grpo | 10.0 ± 0.0 | 25.0 ± 7.1 | 15.0 ± 7.1 | 25.0 ± 7.1 |" in md
+    assert "| rsipo | 10.0 ± 0.0 | 40.0 ± 0.0 | 30.0 ± 0.0 | 40.0 ± 0.0 |" in md
     assert md.rstrip().endswith("| 3, 3 |")       # RL steps per seed, from metrics.jsonl
     assert (tmp_path / "compare.png").stat().st_size > 0
     table = json.loads((tmp_path / "compare.json").read_text())["table"]
     assert table["grpo"]["end"] == [0.2, 0.3]
+    assert table["grpo"]["gain"] == pytest.approx([0.1, 0.2])
