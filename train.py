@@ -31,6 +31,8 @@ Choices, all **[ours]**:
    the update (all-fail / all-win GRPO groups carry no policy gradient; only KL/entropy).
    `--opsd_keep p` keeps only a random fraction p of the advantage-0 turns whose task has a
    teacher (their only signal is the OPSD term), bounding RSIPO's extra scoring and update cost.
+   With `--model tiny` the flags a command line does not give take `TINY_DEFAULTS` (opsd_keep 0.3,
+   M = 2 replays per skill): RSIPO's step then costs 1.22x GRPO's (README "Step time").
 6. Evaluation samples at temperature 0.4 (the papers' validation setting) with `--eval_repeats`
    episodes per game; `--lr_warmup` ramps the RL rate from Adam's own step count.
 7. RSIPO (DESIGN §2 steps 3-9): the analyzer reads a won episode of the task if there is one
@@ -92,7 +94,7 @@ class Args:
     run_name: str = arg("default", "name of the run; outputs go to <out_dir>/<run_name>/")
     out_dir: str = arg("runs", "folder for runs")
     seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
-    algo: str = arg("grpo", "grpo | opsd | rsipo (DESIGN §2 ablations)")
+    algo: str = arg("rsipo", "rsipo | grpo | opsd (DESIGN §2: the method and its two baselines)")
     resume: bool = arg(True, "resume from <run>/ckpt if it exists")
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
     # --- model ---
@@ -117,7 +119,7 @@ class Args:
     top_k: int = arg(3, "search: passages per query (Search-R1: 3)")
     retrieval_timeout: float = arg(30.0, "search: seconds one lock-step's retrieval may take; then its episodes fail [ours]")
     # --- RL ---
-    steps: int = arg(16, "RL steps")
+    steps: int = arg(12, "RL steps")
     max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
     tasks_per_step: int = arg(8, "B: tasks per step (over all ranks)")
     tasks_by_type: bool = arg(True, "[ours] draw each step's tasks evenly over task types (false: uniformly, as the papers)")
@@ -140,10 +142,11 @@ class Args:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     constrained: Optional[bool] = arg(None, "[ours] decode only admissible actions (default: on for tiny only)")
     drop_zero_adv: bool = arg(True, "[ours] leave turn-samples with advantage 0 out of the update (no PG signal)")
-    opsd_keep: float = arg(1.0, "[ours] fraction of advantage-0 turns kept for the OPSD term alone (opsd/rsipo; 1 = all)")
+    opsd_keep: float = arg(1.0, "[ours] fraction of advantage-0 turns kept for the OPSD term alone (opsd/rsipo; 1 = all; "
+                           "tiny preset: 0.3, TINY_DEFAULTS)")
     # --- RSIPO (DESIGN §2 steps 3-9; ignored by --algo grpo) ---
     trust: str = arg("eb", "teacher trust: eb (Eq. 6-9) | raw (no shrinkage) | one (λ ≡ 1, SEED-like)")
-    replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours])")
+    replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours]; tiny preset: 2, TINY_DEFAULTS)")
     alpha: float = arg(0.01, "α: OPSD coefficient, Eq. (12)")
     beta: float = arg(5.0, "β: gate sharpness, Eq. (11)")
     eta: float = arg(0.1, "η: skill-writing loss coefficient, Eq. (12) [ours]")
@@ -232,11 +235,16 @@ def parse_args(argv=None) -> Args:
         else:
             p.add_argument(f"--{f.name}", type=t, default=f.default, help=f.metadata["help"])
     ns = vars(p.parse_args(argv))
-    if ns["env"] == "search":   # per-env defaults for the flags not given on the command line
+    presets = {}                 # defaults for the flags not given on the command line
+    if ns["model"] == "tiny":
+        presets.update(TINY_DEFAULTS)
+    if ns["env"] == "search":
+        presets.update(SEARCH_DEFAULTS)
+    if presets:
         unset = object()         # parse again with a marker default: a flag still at it was not given
-        p.set_defaults(**{k: unset for k in SEARCH_DEFAULTS})
+        p.set_defaults(**{k: unset for k in presets})
         given = vars(p.parse_args(argv))
-        ns.update({k: v for k, v in SEARCH_DEFAULTS.items() if given[k] is unset})
+        ns.update({k: v for k, v in presets.items() if given[k] is unset})
     a = Args(**ns)
     a.validate()
     return a
@@ -314,6 +322,18 @@ def tiny_model(vocab_size: int, args: Args):
     return Qwen2ForCausalLM(cfg)
 
 
+def game_rule_skills(walkthrough: Path) -> tuple[str, str]:
+    """`skills.rule_skill` for one game from the files beside its walkthrough.json (traj_data.json for the
+    task type and objects): the workflow after a success, naming where the walkthrough took the object
+    (privileged: the tiny warm start's skill annotation), and the avoidance rules after a failure."""
+    traj = json.loads(walkthrough.with_name("traj_data.json").read_text())
+    p, ttype = traj["pddl_params"], TASK_TYPES[traj["task_type"]]
+    acts = [s["action"] for s in json.loads(walkthrough.read_text())["steps"] if s["action"] is not None]
+    took = [a.split(" from ", 1)[1] for a in acts if a.startswith("take ")]
+    args = (ttype, p["object_target"], p["parent_target"], p["toggle_target"])
+    return rule_skill(*args, True, took[:1]), rule_skill(*args, False)
+
+
 def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False) -> list[tuple[str, str]]:
     """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed).
     `gamefiles`: game files (their walkthrough.json beside them is read) or walkthrough.json paths.
@@ -333,11 +353,7 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
         steps = [(s["obs"], s["action"]) for s in d["steps"] if s["action"] is not None]
         skill = None
         if skills:
-            traj = json.loads(wt.with_name("traj_data.json").read_text())
-            p, ttype = traj["pddl_params"], TASK_TYPES[traj["task_type"]]
-            took = [a.split(" from ", 1)[1] for _, a in steps if a.startswith("take ")]
-            skill = rule_skill(ttype, p["object_target"], p["parent_target"], p["toggle_target"], True, took[:1])
-            fail = rule_skill(ttype, p["object_target"], p["parent_target"], p["toggle_target"], False)
+            skill, fail = game_rule_skills(wt)
             out.append((analyzer_prompt(task, True, steps), json.dumps({"skill": skill})))
             out.append((analyzer_prompt(task, False, steps[:len(steps) // 2]), json.dumps({"skill": fail})))
         hist: list[tuple[str, str]] = []
@@ -357,6 +373,10 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
 # ---------------------------------------------------------------------------------------------
 # Env families: tasks, pool and warm-start data per --env (ALFWorld games / search-QA questions)
 # ---------------------------------------------------------------------------------------------
+
+# --model tiny: [ours] cost bounds of the CPU preset for opsd/rsipo (replays and teacher-only turns
+# are its extra cost; README "Step time"): M = 2 replays per skill, 30% of the advantage-0 turns.
+TINY_DEFAULTS = {"opsd_keep": 0.3, "replay_m": 2}
 
 # --env search: defaults for the flags a command line does not set (REFERENCES "Search QA":
 # 4 turns, history 4, EM reward 1 so that r_win = 1, format penalty 0.01, KL 0.001; free decoding).
@@ -633,6 +653,26 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args: Args, extra: dic
         dist.barrier()
 
 
+# Flags a resumed run must share with the checkpoint it resumes (the rest, e.g. --steps, may change).
+RESUME_MUST_MATCH = ("algo", "model", "env", "tiny_hidden", "tiny_layers", "seed")
+
+
+def check_resume(run_dir: Path, args: Args):
+    """Refuse, before any compute, to resume a checkpoint written with other core flags (e.g. a GRPO
+    run's ckpt picked up by an --algo rsipo run of the same --run_name)."""
+    for d in ("ckpt", "ckpt.old"):
+        f = run_dir / d / "args.json"
+        if f.exists():
+            saved = json.loads(f.read_text())
+            diff = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
+            if diff:
+                raise SystemExit(f"error: {run_dir / d} was written with "
+                                 + ", ".join(f"--{k} {saved[k]}" for k in diff) + " but this run has "
+                                 + ", ".join(f"--{k} {getattr(args, k)}" for k in diff)
+                                 + ": use another --run_name, or --resume false to start over")
+            return
+
+
 def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
     path = run_dir / "ckpt" / "state.pt"
     if not path.exists():
@@ -879,6 +919,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     run_dir = Path(args.out_dir) / args.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        check_resume(run_dir, args)
     types = None if args.task_types == "all" else args.task_types.split(",")
     data = env_data(args, types)   # task ids: ALFWorld gamefiles or search question ids
     train_games, eval_games = data.train, data.eval

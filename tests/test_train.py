@@ -1,4 +1,5 @@
 """The real entry point, run tiny: one process, two gloo ranks under torchrun, resume, bad config."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -40,6 +41,17 @@ def test_bad_config_fails_before_compute_naming_the_flag(argv, flag, capsys):
 def test_missing_data_root_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="json_2.1.1|not found|does not exist"):
         T.main(["--data_root", str(tmp_path / "nope"), "--out_dir", str(tmp_path)])
+
+
+def test_resume_refuses_a_checkpoint_of_another_algo(tmp_path):
+    # A GRPO run's checkpoint under the same --run_name must not be picked up by an RSIPO run
+    # (it would "resume" at the GRPO run's last step and train nothing).
+    ck = tmp_path / "r" / "ckpt"
+    ck.mkdir(parents=True)
+    (ck / "args.json").write_text(json.dumps(dataclasses.asdict(T.Args(algo="grpo"))))
+    with pytest.raises(SystemExit, match=r"--algo grpo but this run has --algo rsipo"):
+        T.main(["--algo", "rsipo", "--out_dir", str(tmp_path), "--run_name", "r"])
+    T.check_resume(tmp_path / "r", T.Args(algo="grpo", steps=99))   # same core flags: accepted
 
 
 def test_collate_masks_exactly_the_response_tokens():

@@ -1,0 +1,143 @@
+"""Does a policy use a skill in its prompt? The question behind RSIPO's teacher (DESIGN §2.7).
+
+On held-out ALFWorld games it plays the same episodes (same sampling seed in every condition, so
+the comparisons are paired) with:
+  none        no skill (the usual evaluation);
+  oracle      the rule-based workflow `skills.rule_skill` of the game itself, naming where its
+              walkthrough found the object (privileged: what the tiny warm start was trained with);
+  generic     the same workflow without the object's place;
+  other       the oracle skill of a held-out game of another task type (a wrong skill);
+  bank        a skill of the game's task type from a run's `skill_bank.json` (the policy's own, validated).
+and prints success per condition and per task type. Then it scores the turns of the `none`
+episodes the way RSIPO's teacher does — the same response tokens with the oracle skill inserted
+after the task line — and prints the teacher–student gap ℓ^T − ℓ^S (nats per token, mean and the
+share of turns where the teacher assigns the sampled action a higher probability).
+If the oracle skill does not raise success and the gap is ≈ 0, the model ignores skills, and the
+OPSD term of Eq. 11 has nothing to distil.
+
+    python scripts/skill_probe.py --model runs/default/warm_start
+    python scripts/skill_probe.py --model runs/default/final --bank runs/default/skill_bank.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train  # noqa: E402
+from envs import TASK_PREFIX, EnvPool, list_games  # noqa: E402
+from rollout import HFEngine, run_episodes  # noqa: E402
+from skills import insert_skill  # noqa: E402
+
+
+def success(eps) -> dict[str, float]:
+    by: dict[str, list[bool]] = {}
+    for e in eps:
+        by.setdefault(e.task_type, []).append(e.won)
+    out = {"all": sum(e.won for e in eps) / max(1, len(eps))}
+    out.update({t: sum(v) / len(v) for t, v in sorted(by.items())})
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="a Hugging Face model folder (e.g. runs/default/warm_start)")
+    p.add_argument("--data_root", default="data/alfworld")
+    p.add_argument("--split", default="valid_unseen")
+    p.add_argument("--games", type=int, default=60, help="held-out games (round-robin over task types)")
+    p.add_argument("--repeats", type=int, default=3, help="episodes per game and condition")
+    p.add_argument("--temperature", type=float, default=0.4)
+    p.add_argument("--max_turns", type=int, default=20)
+    p.add_argument("--history_len", type=int, default=2)
+    p.add_argument("--constrained", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--bank", default="", help="a run's skill_bank.json (adds the 'bank' condition)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    a = p.parse_args(argv)
+    if not (Path(a.model) / "config.json").exists():
+        raise SystemExit(f"error: --model {a.model}: not a Hugging Face model folder (no config.json)")
+    from transformers import AutoModelForCausalLM
+    tok = train.load_tokenizer(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    engine = HFEngine(model, tok, max_new_tokens=48)
+
+    games = list_games(a.data_root, a.split)
+    types = {g: train.TASK_TYPES[json.loads(Path(g).with_name("traj_data.json").read_text())["task_type"]]
+             for g in games}
+    by_type: dict[str, list[str]] = {}
+    for g in games:
+        by_type.setdefault(types[g], []).append(g)
+    order = sorted(by_type)
+    games = [by_type[t][i] for i in range(max(map(len, by_type.values()))) for t in order if i < len(by_type[t])]
+    games = games[:a.games] if a.games else games
+    oracle = {g: train.game_rule_skills(Path(g).with_name("walkthrough.json"))[0] for g in games}
+    rng = random.Random(a.seed)
+    other = {}
+    for g in games:   # the oracle skill of a game of another type
+        other[g] = oracle[rng.choice([h for h in games if types[h] != types[g]])]
+    generic = {}
+    for g in games:
+        t = json.loads(Path(g).with_name("traj_data.json").read_text())["pddl_params"]
+        generic[g] = train.rule_skill(types[g], t["object_target"], t["parent_target"], t["toggle_target"], True)
+    conds = {"none": None, "oracle": oracle, "generic": generic, "other": other}
+    if a.bank:
+        bank = json.loads(Path(a.bank).read_text())["skills"]
+        conds["bank"] = {g: rng.choice(bank[types[g]])["text"] for g in games if bank.get(types[g])}
+
+    pool = EnvPool(num_workers=a.workers, max_steps=a.max_turns)
+    results, eps_none = {}, None
+    try:
+        for name, sk in conds.items():
+            t0 = time.time()
+            torch.manual_seed(a.seed)   # common random numbers across conditions
+            tasks = [{"gamefile": g} for g in games]
+            skills = {i: sk[g] for i, g in enumerate(games) if sk and g in sk} if sk else None
+            eps = run_episodes(engine, pool, tasks, a.repeats, history_len=a.history_len, skills=skills,
+                               temperature=a.temperature, greedy=a.temperature <= 0, constrained=a.constrained)
+            results[name] = success(eps)
+            if name == "none":
+                eps_none = eps
+            print(f"{name:8s} success {results[name]['all']:.3f} on {len(eps)} episodes ({time.time() - t0:.0f}s)",
+                  flush=True)
+    finally:
+        pool.close()
+
+    # the teacher's view of the student's own turns (no skill in the student's prompt)
+    student, teacher = [], []
+    for e in eps_none:
+        g = e.task_id
+        for tr in e.turns:
+            student.append((tr.prompt_ids, tr.response_ids))
+            tp = insert_skill(tr.prompt_text, oracle[g], TASK_PREFIX + e.task)
+            teacher.append((engine.encode(tp), tr.response_ids))
+    ls = train.score_tokens(model, student, tok.pad_token_id, "cpu", 32)
+    lt = train.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
+    tok_gap = torch.cat([t - s for t, s in zip(lt, ls)])
+    turn_gap = torch.stack([(t - s).sum() for t, s in zip(lt, ls)])
+    gap = {"turns": len(student), "tokens": int(tok_gap.numel()), "mean_per_token": tok_gap.mean().item(),
+           "mean_abs_per_token": tok_gap.abs().mean().item(), "turn_share_teacher_higher": (turn_gap > 0).float().mean().item(),
+           "mean_per_turn": turn_gap.mean().item()}
+
+    cols = ["all"] + sorted({k for r in results.values() for k in r} - {"all"})
+    print(f"\nheld-out success (%), {len(games)} games x {a.repeats} episodes, T {a.temperature}, {a.model}")
+    print(f"{'condition':10s}" + "".join(f"{c:>8s}" for c in cols))
+    for name, r in results.items():
+        print(f"{name:10s}" + "".join(f"{100 * r.get(c, float('nan')):8.1f}" for c in cols))
+    print(f"\nteacher (oracle skill) - student on the 'none' turns: {gap['mean_per_token']:+.4f} nat/token "
+          f"(|gap| {gap['mean_abs_per_token']:.4f}), {gap['mean_per_turn']:+.3f} nat/turn, teacher higher on "
+          f"{100 * gap['turn_share_teacher_higher']:.0f}% of {gap['turns']} turns")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "gap": gap}, indent=1))
+        print(f"saved {a.out}")
+
+
+if __name__ == "__main__":
+    main()
