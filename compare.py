@@ -8,7 +8,7 @@ in RL and the spread of `after warm start` over seeds is the evaluation noise. R
 finished are reused (their summary.json), so an interrupted comparison resumes. Writes <out>/compare.md (table), <out>/compare.json and
 <out>/compare.png (held-out success, and training success against environment steps).
 
-    python compare.py                                    # 3 seeds x grpo/opsd/rsipo, tiny default
+    python compare.py -- --eval_repeats 5                # 3 seeds x grpo/opsd/rsipo, tiny default (README)
     python compare.py --seeds 0 --algos grpo,rsipo --env_steps 4000 -- --steps 40   # extra train.py flags after --
 """
 from __future__ import annotations
@@ -38,8 +38,11 @@ def warm_start(a, extra: list[str]) -> list[str]:
             subprocess.run(cmd, check=True, cwd=HERE)
     if not (path / "config.json").exists():
         raise SystemExit(f"error: --warm_start {path}: not a Hugging Face model folder (no config.json)")
-    # a model loaded from a path is not the tiny preset, so its [ours] constrained decoding is asked for
-    return ["--model", str(path), "--sft_steps", "0", "--constrained", "true"]
+    # a model loaded from a path is not the tiny preset, so its [ours] settings are asked for: constrained
+    # decoding and train.TINY_DEFAULTS (flags given after `--` come later on the command line and win)
+    from train import TINY_DEFAULTS
+    preset = [x for k, v in TINY_DEFAULTS.items() for x in (f"--{k}", str(v))]
+    return ["--model", str(path), "--sft_steps", "0", "--constrained", "true", *preset]
 
 
 def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:

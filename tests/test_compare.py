@@ -22,7 +22,9 @@ def test_warm_start_flags_and_bad_folder(tmp_path):
     with pytest.raises(SystemExit, match="config.json"):
         C.warm_start(a, [])
     (tmp_path / "config.json").write_text("{}")
-    assert C.warm_start(a, []) == ["--model", str(tmp_path), "--sft_steps", "0", "--constrained", "true"]
+    # the tiny preset's settings travel with the shared warm start (it is loaded from a path, not --model tiny)
+    assert C.warm_start(a, []) == ["--model", str(tmp_path), "--sft_steps", "0", "--constrained", "true",
+                                   "--opsd_keep", "0.3", "--replay_m", "2"]
 
 
 def test_table_from_finished_runs(tmp_path):
