@@ -322,14 +322,17 @@ def tiny_model(vocab_size: int, args: Args):
     return Qwen2ForCausalLM(cfg)
 
 
-def game_rule_skills(walkthrough: Path) -> tuple[str, str]:
+def game_rule_skills(walkthrough: Path, with_place: bool = True) -> tuple[str, str]:
     """`skills.rule_skill` for one game from the files beside its walkthrough.json (traj_data.json for the
     task type and objects): the workflow after a success, naming where the walkthrough took the object
-    (privileged: the tiny warm start's skill annotation), and the avoidance rules after a failure."""
+    (privileged: the tiny warm start's skill annotation; `with_place=False` leaves the place out), and
+    the avoidance rules after a failure."""
     traj = json.loads(walkthrough.with_name("traj_data.json").read_text())
     p, ttype = traj["pddl_params"], TASK_TYPES[traj["task_type"]]
-    acts = [s["action"] for s in json.loads(walkthrough.read_text())["steps"] if s["action"] is not None]
-    took = [a.split(" from ", 1)[1] for a in acts if a.startswith("take ")]
+    took = []
+    if with_place:
+        acts = [s["action"] for s in json.loads(walkthrough.read_text())["steps"] if s["action"] is not None]
+        took = [a.split(" from ", 1)[1] for a in acts if a.startswith("take ")]
     args = (ttype, p["object_target"], p["parent_target"], p["toggle_target"])
     return rule_skill(*args, True, took[:1]), rule_skill(*args, False)
 
@@ -411,6 +414,16 @@ def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> l
             if len(out) < n and pools[t]:
                 out.append(pools[t].pop(rng.randrange(len(pools[t]))))
     return out
+
+
+def round_robin_by_type(ids: list[str], type_of: dict[str, str]) -> list[str]:
+    """`ids` reordered round-robin over their task types (sorted type names, each type's own order kept),
+    so that any prefix covers all types: the held-out games of an `--eval_games` evaluation."""
+    by_type: dict[str, list[str]] = {}
+    for i in ids:
+        by_type.setdefault(type_of[i], []).append(i)
+    return [group[j] for j in range(max(map(len, by_type.values()), default=0))
+            for _, group in sorted(by_type.items()) if j < len(group)]
 
 
 def env_data(args: Args, types) -> EnvData:
@@ -595,6 +608,12 @@ def micro_batches(lengths: list[int], micro_batch: int, micro_tokens: int = 0) -
 
 
 @torch.no_grad()
+def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[int], list[int]]:
+    """The teacher's input (DESIGN §2.7): the student's prompt with the skill inserted after the task
+    line (`task_line` = the pool's task prefix + the task sentence), and the student's own response tokens."""
+    return engine.encode(insert_skill(turn.prompt_text, skill, task_line)), turn.response_ids
+
+
 def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0) -> list[torch.Tensor]:
     """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)].
     An FSDP2-sharded model (GPU: the policy under --engine vllm, the reference) runs the same number of
@@ -924,13 +943,8 @@ def main(argv=None):
     types = None if args.task_types == "all" else args.task_types.split(",")
     data = env_data(args, types)   # task ids: ALFWorld gamefiles or search question ids
     train_games, eval_games = data.train, data.eval
-    if args.eval_games:   # round-robin over task types so that any prefix covers all of them
-        by_type: dict[str, list[str]] = {}
-        for g in eval_games:
-            by_type.setdefault(data.task_type[g], []).append(g)
-        rr = [g for group in zip(*[by_type[t] + [None] * (len(eval_games) - len(by_type[t])) for t in sorted(by_type)])
-              for g in group if g is not None]
-        eval_games = rr[:args.eval_games]
+    if args.eval_games:
+        eval_games = round_robin_by_type(eval_games, data.task_type)[:args.eval_games]
     if args.tasks_per_step < WORLD:
         raise SystemExit(f"error: --tasks_per_step {args.tasks_per_step} must be >= the number of ranks ({WORLD})")
     constrained = args.constrained if args.constrained is not None else args.model == "tiny"
@@ -1190,11 +1204,8 @@ def main(argv=None):
                 t = time.time()
                 kept = [sm for sm in samples if sm.trust > 0]
                 # the teacher's prompt is the student's prompt with the task's skill after the task line
-                tprompts = []
-                for sm in kept:
-                    k, task = sm.turn.group_id - RANK * 10_000, eps[sm.turn.episode_id].task
-                    tp = insert_skill(sm.turn.prompt_text, skill_of[k], pool.task_prefix + task)
-                    tprompts.append((engine.encode(tp), sm.response_ids))
+                tprompts = [teacher_pair(engine, sm.turn, skill_of[sm.turn.group_id - RANK * 10_000],
+                                         pool.task_prefix + eps[sm.turn.episode_id].task) for sm in kept]
                 for sm, lt in zip(kept, score(scorer, tprompts)):
                     sm.teacher = lt   # ℓ^T = log π_old(y | teacher prompt), rollout weights, no grad
                 times["teacher"] = time.time() - t

@@ -31,9 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
-from envs import TASK_PREFIX, EnvPool, list_games  # noqa: E402
+from envs import EnvPool, game_task_type, list_games  # noqa: E402
 from rollout import HFEngine, run_episodes  # noqa: E402
-from skills import insert_skill  # noqa: E402
 
 
 def success(eps) -> dict[str, float]:
@@ -69,23 +68,16 @@ def main(argv=None):
     engine = HFEngine(model, tok, max_new_tokens=48)
 
     games = list_games(a.data_root, a.split)
-    types = {g: train.TASK_TYPES[json.loads(Path(g).with_name("traj_data.json").read_text())["task_type"]]
-             for g in games}
-    by_type: dict[str, list[str]] = {}
-    for g in games:
-        by_type.setdefault(types[g], []).append(g)
-    order = sorted(by_type)
-    games = [by_type[t][i] for i in range(max(map(len, by_type.values()))) for t in order if i < len(by_type[t])]
+    types = {g: game_task_type(g) for g in games}
+    games = train.round_robin_by_type(games, types)   # the order of train.py's --eval_games evaluation
     games = games[:a.games] if a.games else games
-    oracle = {g: train.game_rule_skills(Path(g).with_name("walkthrough.json"))[0] for g in games}
+    wt = {g: Path(g).with_name("walkthrough.json") for g in games}
+    oracle = {g: train.game_rule_skills(wt[g])[0] for g in games}
+    generic = {g: train.game_rule_skills(wt[g], with_place=False)[0] for g in games}
     rng = random.Random(a.seed)
     other = {}
     for g in games:   # the oracle skill of a game of another type
         other[g] = oracle[rng.choice([h for h in games if types[h] != types[g]])]
-    generic = {}
-    for g in games:
-        t = json.loads(Path(g).with_name("traj_data.json").read_text())["pddl_params"]
-        generic[g] = train.rule_skill(types[g], t["object_target"], t["parent_target"], t["toggle_target"], True)
     conds = {"none": None, "oracle": oracle, "generic": generic, "other": other}
     if a.bank:
         bank = json.loads(Path(a.bank).read_text())["skills"]
@@ -97,7 +89,7 @@ def main(argv=None):
         for name, sk in conds.items():
             t0 = time.time()
             torch.manual_seed(a.seed)   # common random numbers across conditions
-            tasks = [{"gamefile": g} for g in games]
+            tasks = [{pool.task_key: g} for g in games]
             skills = {i: sk[g] for i, g in enumerate(games) if sk and g in sk} if sk else None
             eps = run_episodes(engine, pool, tasks, a.repeats, history_len=a.history_len, skills=skills,
                                temperature=a.temperature, greedy=a.temperature <= 0, constrained=a.constrained)
@@ -112,11 +104,9 @@ def main(argv=None):
     # the teacher's view of the student's own turns (no skill in the student's prompt)
     student, teacher = [], []
     for e in eps_none:
-        g = e.task_id
         for tr in e.turns:
             student.append((tr.prompt_ids, tr.response_ids))
-            tp = insert_skill(tr.prompt_text, oracle[g], TASK_PREFIX + e.task)
-            teacher.append((engine.encode(tp), tr.response_ids))
+            teacher.append(train.teacher_pair(engine, tr, oracle[e.task_id], pool.task_prefix + e.task))
     ls = train.score_tokens(model, student, tok.pad_token_id, "cpu", 32)
     lt = train.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
     tok_gap = torch.cat([t - s for t, s in zip(lt, ls)])

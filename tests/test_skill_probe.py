@@ -22,6 +22,8 @@ def test_game_rule_skills_name_where_the_walkthrough_took_the_object():
     assert won.endswith("then go to the desklamp and use the desklamp.")
     assert failed.startswith("do not repeat the same action")
     assert failed.endswith("use it while holding the basketball.") and "desk 1" not in failed
+    # without the place: the same workflow minus "the basketball was at desk 1; otherwise "
+    assert T.game_rule_skills(GAME / "walkthrough.json", with_place=False)[0] == won.split("; otherwise ", 1)[1]
 
 
 def test_skill_probe_runs_every_condition(tmp_path):
