@@ -162,6 +162,8 @@ class Args:
     sft_steps: int = arg(600, "SFT optimizer steps (0 = skip)")
     sft_lr: float = arg(2e-3, "SFT learning rate (SEED: 5e-6 for 7B)")
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
+    sft_micro_tokens: int = arg(2048, "[ours] SFT: each batch, sorted by length, runs in micro-batches of at most this "
+                                "many padded tokens; the gradient is still the batch's token mean (0 = one padded batch)")
     # --- eval / save ---
     eval: bool = arg(True, "evaluate on held-out games before and after RL")
     eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
@@ -221,8 +223,9 @@ class Args:
             bad("constrained", "is an HF-engine feature of the tiny CPU preset; use --constrained false with --engine vllm")
         if not (0 < self.gpu_memory_utilization < 1):
             bad("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization}")
-        if self.micro_tokens < 0:
-            bad("micro_tokens", f"must be >= 0, got {self.micro_tokens}")
+        for f in ("micro_tokens", "sft_micro_tokens"):
+            if getattr(self, f) < 0:
+                bad(f, f"must be >= 0, got {getattr(self, f)}")
 
 
 def parse_args(argv=None) -> Args:
@@ -757,6 +760,32 @@ def load_sft_jsonl(path: str) -> list[tuple[str, str]]:
     return out
 
 
+def sft_loss_backward(model, batch: list[tuple[list[int], list[int]]], pad_id: int, device, micro_tokens: int) -> float:
+    """Backward of the batch's token-mean cross-entropy on response tokens; returns the loss.
+
+    [ours] With `micro_tokens` > 0 the batch is sorted by length and split into micro-batches of at most
+    that many padded tokens, each scaled by the batch's token count, so the summed gradient is the one
+    of the whole padded batch (up to float rounding) at a fraction of the padding: the warm-start data
+    mixes 20-token action turns with 800-token analyzer prompts. All ranks run the same number of
+    backward passes (FSDP2 collectives), padding with zero-weight dummies."""
+    batch = sorted(batch, key=lambda pr: len(pr[0]) + len(pr[1]))
+    lengths = [len(p) + len(r) for p, r in batch]
+    groups = micro_batches(lengths, len(batch), micro_tokens) if micro_tokens else [list(range(len(batch)))]
+    n_tok = float(sum(len(r) for _, r in batch))
+    n_micro = int(all_reduce(len(groups), "max")[0]) if WORLD > 1 else len(groups)
+    total = 0.0
+    for u in range(n_micro):
+        sub = [batch[i] for i in groups[u]] if u < len(groups) else [([pad_id], [pad_id])]
+        ids, attn, tgt, mask = collate(sub, pad_id, device)
+        if u >= len(groups):
+            mask = mask * 0
+        lp, _ = token_logprobs_of(model, ids, attn, tgt)
+        loss = -rsipo.masked_token_mean(lp, mask, n_tokens=n_tok)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
     """Behaviour cloning: token-mean cross-entropy on response tokens, AdamW with cosine decay."""
     from tqdm import tqdm
@@ -767,19 +796,17 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, args.sft_steps))))
     model.train()
     bar = tqdm(range(args.sft_steps), desc="sft", disable=RANK != 0, mininterval=5)
+    loss = float("nan")
     for s in bar:
         batch = [enc[rng.randrange(len(enc))] for _ in range(args.sft_batch)]
-        ids, attn, tgt, mask = collate(batch, tok.pad_token_id, device)
-        lp, _ = token_logprobs_of(model, ids, attn, tgt)
-        loss = -rsipo.masked_token_mean(lp, mask)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = sft_loss_backward(model, batch, tok.pad_token_id, device, args.sft_micro_tokens)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         sched.step()
         if s % 20 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    return loss.item() if args.sft_steps else float("nan")
+            bar.set_postfix(loss=f"{loss:.3f}")
+    return loss
 
 
 def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> dict:
@@ -794,12 +821,26 @@ def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> d
         eps = run_episodes(engine, pool, [{pool.task_key: g} for g in mine], args.eval_repeats,
                            history_len=args.history_len, temperature=args.eval_temperature,
                            greedy=args.eval_temperature <= 0, constrained=constrained) if mine else []
-    rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps)) for e in eps]) for r in part]
-    out = {"eval/success": float(np.mean([w for _, w, _ in rows])) if rows else 0.0,
-           "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for *_, n in rows])) if rows else 0.0}
-    for t in sorted({t for t, _, _ in rows}):
-        out[f"eval/success_{t}"] = float(np.mean([w for tt, w, _ in rows if tt == t]))
+    rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps), e.task_id) for e in eps]) for r in part]
+    out = {"eval/success": float(np.mean([w for _, w, *_ in rows])) if rows else 0.0,
+           "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for _, _, n, _ in rows])) if rows else 0.0}
+    for t in sorted({t for t, *_ in rows}):
+        out[f"eval/success_{t}"] = float(np.mean([w for tt, w, *_ in rows if tt == t]))
+    wins: dict[str, list[bool]] = {}
+    for _, w, _, g in rows:
+        wins.setdefault(g, []).append(w)
+    out["eval/by_game"] = {g: float(np.mean(v)) for g, v in sorted(wins.items())}   # for paired_gain; not a metric
     return out
+
+
+def paired_gain(start: dict[str, float], end: dict[str, float]) -> tuple[float, float, int]:
+    """Gain in held-out success paired over games: mean of d_g = end_g − start_g, its standard error
+    std(d)/√n (n − 1 in the std), and n, over the games both evaluations played. Pairing removes the
+    spread between easy and hard games from the error of a start-vs-end difference [ours]."""
+    d = np.array([end[g] - start[g] for g in sorted(set(start) & set(end))], dtype=float)
+    if len(d) < 2:
+        return float(d.mean()) if len(d) else float("nan"), float("nan"), len(d)
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d))), len(d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1033,6 +1074,7 @@ def main(argv=None):
             if args.eval:
                 t0 = time.time()
                 ev = evaluate(engine, pool, eval_games, args, constrained)
+                summary["eval_at_start/by_game"] = ev.pop("eval/by_game")
                 summary["eval/success_at_start"] = ev["eval/success"]
                 summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
                 print0(f"eval before RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
@@ -1232,6 +1274,7 @@ def main(argv=None):
                    **{f"time/{k}": v for k, v in times.items()}}
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
                 row.update(evaluate(engine, pool, eval_games, args, constrained))
+                row.pop("eval/by_game")
             row["time/step"] = time.time() - t_step
             rows.append(row)
             env_steps_total = row["train/env_steps_total"]
@@ -1264,9 +1307,15 @@ def main(argv=None):
         if args.eval:
             t0 = time.time()
             ev = evaluate(engine, pool, eval_games, args, constrained)
+            by_game = ev.pop("eval/by_game")
             print0(f"eval after RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
                    f"({len(eval_games)} games x {args.eval_repeats}, {time.time() - t0:.0f}s)")
             summary.update(ev)
+            summary["eval/by_game"] = by_game
+            if "eval_at_start/by_game" in summary:
+                g, se, n = paired_gain(summary["eval_at_start/by_game"], by_game)
+                summary.update({"eval/gain": g, "eval/gain_se": se, "eval/gain_games": n})
+                print0(f"held-out gain, paired over {n} games: {100 * g:+.1f} ± {100 * se:.1f} points (1 s.e.)")
             rows.append({"step": last_step, **ev})
             if RANK == 0:
                 with open(metrics_path, "a") as f:

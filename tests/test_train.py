@@ -76,7 +76,8 @@ def test_sft_jsonl_loader(tmp_path):
 def test_single_process_run_and_exact_resume(tmp_path):
     full = T.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "full"])
     run = tmp_path / "full"
-    assert {"eval/success_at_start", "eval/success", "config"} <= set(full)
+    assert {"eval/success_at_start", "eval/success", "config", "eval/gain", "eval/gain_se"} <= set(full)
+    assert full["eval/gain"] == pytest.approx(full["eval/success"] - full["eval/success_at_start"])
     assert (run / "summary.json").exists() and (run / "curves.png").exists()
     assert (run / "final" / "config.json").exists()
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
@@ -201,3 +202,42 @@ def test_draw_tasks_by_type_is_even_and_uniform_is_unchanged():
     assert T.draw_tasks(random.Random(3), types, 8, by_type=False) == random.Random(3).sample(range(17), 8)
     # n above the number of tasks is capped (no endless loop): every task once
     assert sorted(T.draw_tasks(random.Random(3), types, 50, by_type=True)) == list(range(17))
+
+
+def test_sft_micro_batches_give_the_whole_batch_gradient():
+    # Lengths 4, 7, 12, 30 with a 16-token budget: sorted, [4, 7] pads to 2·7 = 14 ≤ 16, 12 alone
+    # (2·12 > 16), 30 alone → 3 backward passes; each scaled by the batch's 2+3+4+6 = 15 response
+    # tokens, so loss and gradient must equal the single padded batch's token mean.
+    args = T.Args(tiny_hidden=32)
+    torch.manual_seed(0)
+    model = T.tiny_model(50, args)
+    batch = [(list(range(1, 25)), [5, 6, 7, 8, 9, 10]), ([3, 4], [5, 6]), ([1, 2, 3, 4], [7, 8, 9]),
+             ([2] * 8, [9, 8, 7, 6])]
+    assert T.micro_batches(sorted(len(p) + len(r) for p, r in batch), 4, 16) == [[0, 1], [2], [3]]
+
+    def grads(micro_tokens):
+        model.zero_grad(set_to_none=True)
+        loss = T.sft_loss_backward(model, batch, pad_id=0, device="cpu", micro_tokens=micro_tokens)
+        return loss, [p.grad.clone() for p in model.parameters()]
+
+    whole, g_whole = grads(0)
+    split, g_split = grads(16)
+    # the reference: the token mean of the padded batch computed directly
+    ids, attn, tgt, mask = T.collate(batch, 0, "cpu")
+    lp, _ = T.token_logprobs_of(model, ids, attn, tgt)
+    assert mask.sum() == 15
+    assert whole == pytest.approx(float(-(lp * mask).sum() / 15), rel=1e-5)
+    assert split == pytest.approx(whole, rel=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g_whole, g_split))
+    assert any(a.abs().sum() > 0 for a in g_split)
+
+
+def test_paired_gain_over_games():
+    # d = (1/3 − 0, 1 − 2/3, 0 − 0, 2/3 − 1/3) = (1/3, 1/3, 0, 1/3); game "x" was played once only
+    start = {"a": 0.0, "b": 2 / 3, "c": 0.0, "d": 1 / 3, "x": 1.0}
+    end = {"a": 1 / 3, "b": 1.0, "c": 0.0, "d": 2 / 3}
+    g, se, n = T.paired_gain(start, end)
+    assert n == 4 and g == pytest.approx(0.25)
+    # deviations (1/12, 1/12, −1/4, 1/12): Σ² = 3/144 + 9/144 = 1/12; var = (1/12)/3 = 1/36; se = (1/6)/2
+    assert se == pytest.approx(1 / 12)
+    assert T.paired_gain({"a": 0.5}, {"a": 1.0})[:1] == (0.5,) and T.paired_gain({}, {})[2] == 0
