@@ -180,7 +180,8 @@ def _valid_skill(skill, max_words: int) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Rule-based skills for the tiny warm start [ours]
 
-_TOOL = {"clean": ("sinkbasin", "clean"), "heat": ("microwave", "heat"), "cool": ("fridge", "cool")}
+TOOLS = {  # ALFWorld task type → (the receptacle that does it, the verb)
+    "clean": ("sinkbasin", "clean"), "heat": ("microwave", "heat"), "cool": ("fridge", "cool")}
 
 
 def rule_skill(task_type: str, obj: str, recep: str = "", toggle: str = "", won: bool = True,
@@ -198,14 +199,14 @@ def rule_skill(task_type: str, obj: str, recep: str = "", toggle: str = "", won:
         rule = f"do not repeat the same action or go back and forth; {find}"
         if task_type == "look":
             return f"{rule}; then go to the {toggle} and use it while holding the {obj}."
-        if task_type in _TOOL:
-            tool, verb = _TOOL[task_type]
+        if task_type in TOOLS:
+            tool, verb = TOOLS[task_type]
             return f"{rule}; {verb} it with the {tool} before you go to the {recep}."
         return f"{rule}; do not take other objects; move it to the {recep}."
     if task_type == "look":
         return f"{find}; then go to the {toggle} and use the {toggle}."
-    if task_type in _TOOL:
-        tool, verb = _TOOL[task_type]
+    if task_type in TOOLS:
+        tool, verb = TOOLS[task_type]
         return f"{find}; go to the {tool} and {verb} the {obj} with it; then go to the {recep} and move the {obj} to it."
     if task_type == "pick2":
         return f"{find}; go to the {recep} and move it there; then find the second {obj} the same way and move it to the {recep}."

@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 import rsipo
 import shrinkage
-from skills import SkillBank, analyzer_prompt, insert_skill, parse_skill, rule_skill, search_rule_skill
+from skills import TOOLS, SkillBank, analyzer_prompt, insert_skill, parse_skill, rule_skill, search_rule_skill
 from envs import TASK_PREFIX, TASK_TYPES, EnvPool, build_prompt, list_games, task_from_intro
 import envs
 from rollout import HFEngine, VLLMEngine, Turn, run_episodes, chat_ids
@@ -325,19 +325,39 @@ def tiny_model(vocab_size: int, args: Args):
     return Qwen2ForCausalLM(cfg)
 
 
-def game_rule_skills(walkthrough: Path, with_place: bool = True) -> tuple[str, str]:
-    """`skills.rule_skill` for one game from the files beside its walkthrough.json (traj_data.json for the
-    task type and objects): the workflow after a success, naming where the walkthrough took the object
-    (privileged: the tiny warm start's skill annotation; `with_place=False` leaves the place out), and
-    the avoidance rules after a failure."""
+def game_truth(walkthrough: Path) -> dict:
+    """An ALFWorld game's facts from the files beside its walkthrough.json: task type (short name), object,
+    target receptacle, lamp (look), and the receptacles the walkthrough took things from, in order."""
     traj = json.loads(walkthrough.with_name("traj_data.json").read_text())
-    p, ttype = traj["pddl_params"], TASK_TYPES[traj["task_type"]]
-    took = []
-    if with_place:
-        acts = [s["action"] for s in json.loads(walkthrough.read_text())["steps"] if s["action"] is not None]
-        took = [a.split(" from ", 1)[1] for a in acts if a.startswith("take ")]
-    args = (ttype, p["object_target"], p["parent_target"], p["toggle_target"])
-    return rule_skill(*args, True, took[:1]), rule_skill(*args, False)
+    p = traj["pddl_params"]
+    acts = [s["action"] for s in json.loads(walkthrough.read_text())["steps"] if s["action"] is not None]
+    return {"type": TASK_TYPES[traj["task_type"]], "object": p["object_target"].lower(),
+            "recep": p["parent_target"].lower(), "toggle": p["toggle_target"].lower(),
+            "took": [a.split(" from ", 1)[1] for a in acts if a.startswith("take ")]}
+
+
+def game_rule_skills(walkthrough: Path, with_place: bool = True) -> tuple[str, str]:
+    """`skills.rule_skill` for one game (`game_truth`): the workflow after a success, naming where the
+    walkthrough took the object (privileged: the tiny warm start's skill annotation; `with_place=False`
+    leaves the place out), and the avoidance rules after a failure."""
+    g = game_truth(walkthrough)
+    args = (g["type"], g["object"], g["recep"], g["toggle"])
+    return rule_skill(*args, True, g["took"][:1] if with_place else []), rule_skill(*args, False)
+
+
+def skill_facts(text: str, walkthrough: Path) -> dict[str, bool]:
+    """[ours] What a skill written for one ALFWorld game gets right, word-matched against `game_truth`:
+    it names the task's object, its target (the receptacle; the lamp for look), the tool of its type
+    (sinkbasin / microwave / fridge; true for types without one), where the walkthrough first took
+    the object (`place`: approximate, another instance may sit elsewhere), and a tool of another type."""
+    g = game_truth(walkthrough)
+    t = " " + " ".join(text.lower().replace(";", " ").replace(",", " ").replace(".", " ").split()) + " "
+    target = g["toggle"] if g["type"] == "look" else g["recep"]
+    tools = {k: v[0] for k, v in TOOLS.items()}
+    return {"object": f" {g['object']} " in t, "target": f" {target} " in t,
+            "tool": g["type"] not in tools or f" {tools[g['type']]} " in t,
+            "place": bool(g["took"]) and f" {g['took'][0]} " in t,
+            "wrong_tool": any(f" {v} " in t for k, v in tools.items() if k != g["type"] and v != target)}
 
 
 def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False) -> list[tuple[str, str]]:
@@ -610,13 +630,13 @@ def micro_batches(lengths: list[int], micro_batch: int, micro_tokens: int = 0) -
     return out
 
 
-@torch.no_grad()
 def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[int], list[int]]:
     """The teacher's input (DESIGN §2.7): the student's prompt with the skill inserted after the task
     line (`task_line` = the pool's task prefix + the task sentence), and the student's own response tokens."""
     return engine.encode(insert_skill(turn.prompt_text, skill, task_line)), turn.response_ids
 
 
+@torch.no_grad()
 def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0) -> list[torch.Tensor]:
     """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)].
     An FSDP2-sharded model (GPU: the policy under --engine vllm, the reference) runs the same number of
@@ -1216,6 +1236,13 @@ def main(argv=None):
                            for k in range(K) if skill_of[k] is not None and replay_ok[k] and shrunk_all[offset + k] > 0]
                     for row_ in (r for part in all_gather_obj(new) for r in part):
                         bank.add(*row_)
+                # [ours] ALFWorld: what the valid skills get right against their games' truth (skill_facts)
+                wts = [Path(tasks[k][pool.task_key]).with_name("walkthrough.json") if args.env == "alfworld" else None
+                       for k in range(K)]
+                mine_f = [skill_facts(skill_of[k], wts[k]) for k in range(K) if skill_of[k] and wts[k] and wts[k].exists()]
+                facts = [f for part in all_gather_obj(mine_f) for f in part]
+                for key in ("object", "target", "place") if facts else ():
+                    sm_metrics[f"skill/names_{key}"] = float(np.mean([f[key] for f in facts]))
                 n_valid = sum(r[3] for r in rows_all)
                 sm_metrics.update({"skill/valid_frac": n_valid / max(1, len(rows_all)),
                                    "skill/words": float(np.mean([len(s.split()) for s in skill_of if s] or [0])),

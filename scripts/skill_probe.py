@@ -8,7 +8,10 @@ the comparisons are paired) with:
   generic     the same workflow without the object's place;
   other       the oracle skill of a held-out game of another task type (a wrong skill);
   bank        a skill of the game's task type from a run's `skill_bank.json` (the policy's own, validated).
-and prints success per condition and per task type. Then it scores the turns of the `none`
+and prints success per condition and per task type. With --bank it also checks each banked skill against
+its game's truth (traj_data.json and walkthrough.json): does it name the task's object, its target
+(the receptacle, or the lamp for look), the tool of its type (sinkbasin / microwave / fridge) and
+where the walkthrough found the object, and does it name a tool of another type. Then it scores the turns of the `none`
 episodes the way RSIPO's teacher does — the same response tokens with the oracle skill inserted
 after the task line — and prints the teacher–student gap ℓ^T − ℓ^S (nats per token, mean and the
 share of turns where the teacher assigns the sampled action a higher probability).
@@ -41,6 +44,28 @@ def success(eps) -> dict[str, float]:
         by.setdefault(e.task_type, []).append(e.won)
     out = {"all": sum(e.won for e in eps) / max(1, len(eps))}
     out.update({t: sum(v) / len(v) for t, v in sorted(by.items())})
+    return out
+
+
+def by_game(eps) -> dict[str, float]:
+    wins: dict[str, list[bool]] = {}
+    for e in eps:
+        wins.setdefault(e.task_id, []).append(e.won)
+    return {g: sum(v) / len(v) for g, v in wins.items()}
+
+
+def score_bank(bank: dict) -> dict[str, dict[str, float]]:
+    """Share of banked skills (per task type and all) whose `skill_facts` hold; skills without a game file skipped."""
+    rows: dict[str, list[dict[str, bool]]] = {}
+    for ttype, entries in bank.items():
+        for e in entries:
+            wt = Path(e["task_id"]).with_name("walkthrough.json") if e.get("task_id") else None
+            if wt is not None and wt.exists():
+                rows.setdefault(ttype, []).append(train.skill_facts(e["text"], wt))
+    out = {}
+    for ttype, r in list(rows.items()) + [("all", [x for v in rows.values() for x in v])]:
+        if r:
+            out[ttype] = {"skills": len(r), **{k: sum(x[k] for x in r) / len(r) for k in r[0]}}
     return out
 
 
@@ -79,12 +104,19 @@ def main(argv=None):
     for g in games:   # the oracle skill of a game of another type
         other[g] = oracle[rng.choice([h for h in games if types[h] != types[g]])]
     conds = {"none": None, "oracle": oracle, "generic": generic, "other": other}
+    facts = {}
     if a.bank:
         bank = json.loads(Path(a.bank).read_text())["skills"]
+        facts = score_bank(bank)
+        print(f"banked skills against their games' truth (share naming it; {a.bank}):")
+        print(f"{'type':8s}{'skills':>8s}" + "".join(f"{k:>12s}" for k in ("object", "target", "tool", "place", "wrong_tool")))
+        for ttype, r in facts.items():
+            print(f"{ttype:8s}{r['skills']:8d}" + "".join(f"{100 * r[k]:11.0f}%" for k in
+                                                           ("object", "target", "tool", "place", "wrong_tool")))
         conds["bank"] = {g: rng.choice(bank[types[g]])["text"] for g in games if bank.get(types[g])}
 
     pool = EnvPool(num_workers=a.workers, max_steps=a.max_turns)
-    results, eps_none = {}, None
+    results, games_won, eps_none = {}, {}, None
     try:
         for name, sk in conds.items():
             t0 = time.time()
@@ -94,6 +126,7 @@ def main(argv=None):
             eps = run_episodes(engine, pool, tasks, a.repeats, history_len=a.history_len, skills=skills,
                                temperature=a.temperature, greedy=a.temperature <= 0, constrained=a.constrained)
             results[name] = success(eps)
+            games_won[name] = by_game(eps)
             if name == "none":
                 eps_none = eps
             print(f"{name:8s} success {results[name]['all']:.3f} on {len(eps)} episodes ({time.time() - t0:.0f}s)",
@@ -115,17 +148,21 @@ def main(argv=None):
            "mean_abs_per_token": tok_gap.abs().mean().item(), "turn_share_teacher_higher": (turn_gap > 0).float().mean().item(),
            "mean_per_turn": turn_gap.mean().item()}
 
+    # each condition against none, paired over games (the same sampling seed in every condition)
+    vs_none = {name: dict(zip(("gain", "se", "games"), train.paired_gain(games_won["none"], games_won[name])))
+               for name in results if name != "none"}
     cols = ["all"] + sorted({k for r in results.values() for k in r} - {"all"})
     print(f"\nheld-out success (%), {len(games)} games x {a.repeats} episodes, T {a.temperature}, {a.model}")
     print(f"{'condition':10s}" + "".join(f"{c:>8s}" for c in cols))
     for name, r in results.items():
-        print(f"{name:10s}" + "".join(f"{100 * r.get(c, float('nan')):8.1f}" for c in cols))
+        print(f"{name:10s}" + "".join(f"{100 * r.get(c, float('nan')):8.1f}" for c in cols)
+              + (f"   vs none {100 * vs_none[name]['gain']:+.1f} ± {100 * vs_none[name]['se']:.1f}" if name in vs_none else ""))
     print(f"\nteacher (oracle skill) - student on the 'none' turns: {gap['mean_per_token']:+.4f} nat/token "
           f"(|gap| {gap['mean_abs_per_token']:.4f}), {gap['mean_per_turn']:+.3f} nat/turn, teacher higher on "
           f"{100 * gap['turn_share_teacher_higher']:.0f}% of {gap['turns']} turns")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "gap": gap}, indent=1))
+        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap, "bank_facts": facts}, indent=1))
         print(f"saved {a.out}")
 
 

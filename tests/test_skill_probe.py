@@ -45,6 +45,28 @@ def test_skill_probe_runs_every_condition(tmp_path):
     for cond in r["success"].values():   # 6 episodes: every rate is k/6; one game per task type (round-robin)
         assert abs(cond["all"] * 6 - round(cond["all"] * 6)) < 1e-9
         assert set(cond) == {"all", "pick", "look", "clean", "heat", "cool", "pick2"}
+    # paired differences against none over the 6 games: each a multiple of 1/6, its s.e. finite
+    assert set(r["vs_none"]) == {"oracle", "generic", "other", "bank"}
+    for v in r["vs_none"].values():
+        assert v["games"] == 6 and abs(v["gain"] * 6 - round(v["gain"] * 6)) < 1e-9 and v["se"] >= 0
     g = r["gap"]
     assert 6 <= g["turns"] <= 18 and g["tokens"] > g["turns"]   # 6 episodes of 1..3 turns, several tokens each
     assert g["mean_abs_per_token"] > 0   # the skill changes the prompt, so an untrained model's scores move
+
+
+def test_skill_facts_against_the_games_truth(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import skill_probe
+    wt = GAME / "walkthrough.json"   # look: basketball, found at desk 1, desklamp
+    right = T.game_rule_skills(wt)[0]
+    assert T.skill_facts(right, wt) == {"object": True, "target": True, "tool": True, "place": True,
+                                                  "wrong_tool": False}
+    # another object, no lamp, the wrong place, a tool of another type ("desk 10" is not "desk 1")
+    wrong = "the mug was at desk 10; go to the microwave and heat the mug; then go to the desk."
+    assert T.skill_facts(wrong, wt) == {"object": False, "target": False, "tool": True, "place": False,
+                                                  "wrong_tool": True}
+    bank = {"look": [{"text": right, "task_id": str(GAME / "game.tw-pddl")},
+                     {"text": wrong, "task_id": str(GAME / "game.tw-pddl")},
+                     {"text": right}]}   # no game: skipped
+    s = skill_probe.score_bank(bank)
+    assert s["look"]["skills"] == 2 and s["look"]["object"] == 0.5 and s["all"]["wrong_tool"] == 0.5

@@ -111,6 +111,8 @@ def test_rsipo_run_end_to_end_single_process(tmp_path):
     for k in ("skill/valid_frac", "skill/reward_mean", "trust/mean", "time/skills", "time/replay"):
         assert k in row, k
     assert 0.0 <= row["skill/valid_frac"] <= 1.0 and 0.0 <= row["trust/mean"] <= 1.0
+    # the facts of the valid skills against their games (skill_facts) are logged whenever one parsed
+    assert ("skill/names_object" in row) == (row["skill/valid_frac"] > 0)
     assert (run / "skill_bank.json").exists()
     st = _state(run)
     assert "skill_means" in st["extra"] and "bank" in st["extra"]
@@ -241,3 +243,15 @@ def test_paired_gain_over_games():
     # deviations (1/12, 1/12, −1/4, 1/12): Σ² = 3/144 + 9/144 = 1/12; var = (1/12)/3 = 1/36; se = (1/6)/2
     assert se == pytest.approx(1 / 12)
     assert T.paired_gain({"a": 0.5}, {"a": 1.0})[:1] == (0.5,) and T.paired_gain({}, {})[2] == 0
+
+
+def test_score_tokens_keeps_no_graph():
+    # old / reference / teacher log-probs are constants of the update (DESIGN §2.7, Eq. 10-11): scoring
+    # with a model whose parameters require grad must return tensors without a graph (a kept graph per
+    # turn exhausted 24 GB in the skill probe)
+    torch.manual_seed(0)
+    model = T.tiny_model(50, T.Args(tiny_hidden=32))
+    assert all(p.requires_grad for p in model.parameters())
+    out = T.score_tokens(model, [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])], pad_id=0, device="cpu", micro_batch=1)
+    assert [o.shape[0] for o in out] == [2, 3]
+    assert not any(o.requires_grad for o in out) and all(o.grad_fn is None for o in out)
