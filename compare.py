@@ -8,7 +8,7 @@ in RL and the spread of `after warm start` over seeds is the evaluation noise. R
 finished are reused (their summary.json), so an interrupted comparison resumes. Writes <out>/compare.md (table), <out>/compare.json and
 <out>/compare.png (held-out success, and training success against environment steps).
 
-    python compare.py -- --eval_repeats 5                # 3 seeds x grpo/opsd/rsipo, tiny default (README)
+    python compare.py                                    # 3 seeds x grpo/opsd/rsipo, tiny default (README)
     python compare.py --seeds 0 --algos grpo,rsipo --env_steps 4000 -- --steps 40   # extra train.py flags after --
 """
 from __future__ import annotations

@@ -159,7 +159,7 @@ class Args:
     sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)")
     sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: more walkthroughs (no game files) "
                                 "for the warm start, besides the RL games' own ('' = none)")
-    sft_steps: int = arg(600, "SFT optimizer steps (0 = skip)")
+    sft_steps: int = arg(1200, "SFT optimizer steps (0 = skip)")
     sft_lr: float = arg(2e-3, "SFT learning rate (SEED: 5e-6 for 7B)")
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
     sft_micro_tokens: int = arg(2048, "[ours] SFT: each batch, sorted by length, runs in micro-batches of at most this "
@@ -168,7 +168,7 @@ class Args:
     eval: bool = arg(True, "evaluate on held-out games before and after RL")
     eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
     eval_temperature: float = arg(0.4, "eval sampling temperature (0 = greedy; papers: 0.4)")
-    eval_repeats: int = arg(3, "episodes per held-out game at evaluation (sampled eval is noisy)")
+    eval_repeats: int = arg(5, "episodes per held-out game at evaluation (sampled eval is noisy)")
     eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
     save_every: int = arg(4, "checkpoint every k RL steps")
 
