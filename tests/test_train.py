@@ -31,6 +31,7 @@ def _state(run: Path):
     (["--model", "nonexistent-model"], "--model"),
     (["--sft_data", "/no/such/file.jsonl"], "--sft_data"),
     (["--top_p", "0"], "--top_p"),
+    (["--sft_micro_tokens", "-1"], "--sft_micro_tokens"),
 ])
 def test_bad_config_fails_before_compute_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
