@@ -636,6 +636,16 @@ def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[i
     return engine.encode(insert_skill(turn.prompt_text, skill, task_line)), turn.response_ids
 
 
+def aligned_micro_batches(items: list, lengths: list[int], micro_batch: int, micro_tokens: int, dummy):
+    """Yield (micro-batch, is_dummy) over `items` grouped by `micro_batches` (sorted by length first when
+    cutting by a token budget [ours]), then one-item `dummy` batches until this rank has run as many as
+    the rank that needs the most: FSDP2 needs every rank to run the same number of forward/backward passes."""
+    order = sorted(range(len(items)), key=lengths.__getitem__) if micro_tokens else list(range(len(items)))
+    groups = micro_batches([lengths[i] for i in order], micro_batch, micro_tokens)
+    for u in range(int(all_reduce(len(groups), "max")[0])):
+        yield ([items[order[j]] for j in groups[u]], False) if u < len(groups) else ([dummy], True)
+
+
 @torch.no_grad()
 def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0) -> list[torch.Tensor]:
     """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)].
@@ -788,16 +798,12 @@ def sft_loss_backward(model, batch: list[tuple[list[int], list[int]]], pad_id: i
     of the whole padded batch (up to float rounding) at a fraction of the padding: the warm-start data
     mixes 20-token action turns with 800-token analyzer prompts. All ranks run the same number of
     backward passes (FSDP2 collectives), padding with zero-weight dummies."""
-    batch = sorted(batch, key=lambda pr: len(pr[0]) + len(pr[1]))
-    lengths = [len(p) + len(r) for p, r in batch]
-    groups = micro_batches(lengths, len(batch), micro_tokens) if micro_tokens else [list(range(len(batch)))]
     n_tok = float(sum(len(r) for _, r in batch))
-    n_micro = int(all_reduce(len(groups), "max")[0]) if WORLD > 1 else len(groups)
     total = 0.0
-    for u in range(n_micro):
-        sub = [batch[i] for i in groups[u]] if u < len(groups) else [([pad_id], [pad_id])]
+    for sub, empty in aligned_micro_batches(batch, [len(p) + len(r) for p, r in batch], len(batch), micro_tokens,
+                                            ([pad_id], [pad_id])):
         ids, attn, tgt, mask = collate(sub, pad_id, device)
-        if u >= len(groups):
+        if empty:
             mask = mask * 0
         lp, _ = token_logprobs_of(model, ids, attn, tgt)
         loss = -rsipo.masked_token_mean(lp, mask, n_tokens=n_tok)
@@ -829,8 +835,9 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
     return loss
 
 
-def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> dict:
-    """Success on held-out games (`eval_repeats` episodes each), per task type; games split across ranks."""
+def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> tuple[dict, dict[str, float]]:
+    """Success on held-out games (`eval_repeats` episodes each): the metrics (overall, per task type) and
+    the success per game (for `paired_gain`); games split across ranks."""
     mine = games[RANK::WORLD]
     # [ours] common random numbers: every evaluation of a run starts from the same sampling seed (the
     # training RNG is left untouched), so an unchanged policy scores the same and start-vs-end is paired
@@ -844,13 +851,16 @@ def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> d
     rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps), e.task_id) for e in eps]) for r in part]
     out = {"eval/success": float(np.mean([w for _, w, *_ in rows])) if rows else 0.0,
            "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for _, _, n, _ in rows])) if rows else 0.0}
-    for t in sorted({t for t, *_ in rows}):
-        out[f"eval/success_{t}"] = float(np.mean([w for tt, w, *_ in rows if tt == t]))
-    wins: dict[str, list[bool]] = {}
-    for _, w, _, g in rows:
-        wins.setdefault(g, []).append(w)
-    out["eval/by_game"] = {g: float(np.mean(v)) for g, v in sorted(wins.items())}   # for paired_gain; not a metric
-    return out
+    out.update({f"eval/success_{t}": v for t, v in mean_by((t, w) for t, w, *_ in rows).items()})
+    return out, mean_by((g, w) for _, w, _, g in rows)
+
+
+def mean_by(pairs) -> dict[str, float]:
+    """{key: mean of its values} over (key, value) pairs, keys sorted (success per task type or per game)."""
+    groups: dict[str, list[float]] = {}
+    for k, v in pairs:
+        groups.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
 
 
 def paired_gain(start: dict[str, float], end: dict[str, float]) -> tuple[float, float, int]:
@@ -915,16 +925,11 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
         opt.zero_grad(set_to_none=True)
         for kind in (False, True):   # student turns, then skill-writing samples
             part = [sm for sm in chunk if sm.skill == kind]
-            if args.micro_tokens:   # [ours] token budget: similar lengths together (order is free in a mini-batch)
-                part.sort(key=lambda sm: len(sm.prompt_ids) + len(sm.response_ids))
-            groups = micro_batches([len(sm.prompt_ids) + len(sm.response_ids) for sm in part], args.micro_batch,
-                                   args.micro_tokens)
             n_tok = float(all_reduce(sum(len(sm.response_ids) for sm in part))[0]) / WORLD
-            n_micro = int(all_reduce(len(groups), "max")[0])   # the most any rank needs; the others pad
-            for u in range(n_micro):
-                sub = [part[i] for i in groups[u]] if u < len(groups) else []
-                empty = not sub
-                sub = sub or [dummy]   # [ours] keep FSDP collectives in step: zero-weight dummy
+            # [ours] with a token budget similar lengths go together (order is free in a mini-batch);
+            # ranks with fewer micro-batches run zero-weight dummies to keep FSDP collectives in step
+            for sub, empty in aligned_micro_batches(part, [len(sm.prompt_ids) + len(sm.response_ids) for sm in part],
+                                                    args.micro_batch, args.micro_tokens, dummy):
                 ids, attn, tgt, mask = collate([(sm.prompt_ids, sm.response_ids) for sm in sub], pad_id, device)
                 if empty:
                     mask = mask * 0
@@ -1093,8 +1098,7 @@ def main(argv=None):
                 save_policy(run_dir / "warm_start")
             if args.eval:
                 t0 = time.time()
-                ev = evaluate(engine, pool, eval_games, args, constrained)
-                summary["eval_at_start/by_game"] = ev.pop("eval/by_game")
+                ev, summary["eval_at_start/by_game"] = evaluate(engine, pool, eval_games, args, constrained)
                 summary["eval/success_at_start"] = ev["eval/success"]
                 summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
                 print0(f"eval before RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
@@ -1300,8 +1304,7 @@ def main(argv=None):
                    **um, **sm_metrics,
                    **{f"time/{k}": v for k, v in times.items()}}
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-                row.update(evaluate(engine, pool, eval_games, args, constrained))
-                row.pop("eval/by_game")
+                row.update(evaluate(engine, pool, eval_games, args, constrained)[0])
             row["time/step"] = time.time() - t_step
             rows.append(row)
             env_steps_total = row["train/env_steps_total"]
@@ -1333,8 +1336,7 @@ def main(argv=None):
         # ---------------- final eval and save ----------------
         if args.eval:
             t0 = time.time()
-            ev = evaluate(engine, pool, eval_games, args, constrained)
-            by_game = ev.pop("eval/by_game")
+            ev, by_game = evaluate(engine, pool, eval_games, args, constrained)
             print0(f"eval after RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
                    f"({len(eval_games)} games x {args.eval_repeats}, {time.time() - t0:.0f}s)")
             summary.update(ev)

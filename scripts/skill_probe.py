@@ -39,19 +39,7 @@ from rollout import HFEngine, run_episodes  # noqa: E402
 
 
 def success(eps) -> dict[str, float]:
-    by: dict[str, list[bool]] = {}
-    for e in eps:
-        by.setdefault(e.task_type, []).append(e.won)
-    out = {"all": sum(e.won for e in eps) / max(1, len(eps))}
-    out.update({t: sum(v) / len(v) for t, v in sorted(by.items())})
-    return out
-
-
-def by_game(eps) -> dict[str, float]:
-    wins: dict[str, list[bool]] = {}
-    for e in eps:
-        wins.setdefault(e.task_id, []).append(e.won)
-    return {g: sum(v) / len(v) for g, v in wins.items()}
+    return {"all": sum(e.won for e in eps) / max(1, len(eps)), **train.mean_by((e.task_type, e.won) for e in eps)}
 
 
 def score_bank(bank: dict) -> dict[str, dict[str, float]]:
@@ -126,7 +114,7 @@ def main(argv=None):
             eps = run_episodes(engine, pool, tasks, a.repeats, history_len=a.history_len, skills=skills,
                                temperature=a.temperature, greedy=a.temperature <= 0, constrained=a.constrained)
             results[name] = success(eps)
-            games_won[name] = by_game(eps)
+            games_won[name] = train.mean_by((e.task_id, e.won) for e in eps)
             if name == "none":
                 eps_none = eps
             print(f"{name:8s} success {results[name]['all']:.3f} on {len(eps)} episodes ({time.time() - t0:.0f}s)",
