@@ -594,6 +594,16 @@ class AlfWorldEnv:
 _PROMPT_HEAD = "You are an expert agent operating in the ALFRED embodied environment."
 _PROMPT_TAIL = ("Now it's your turn to take an action. First reason inside <think> </think>, "
                 "then give exactly one action inside <action> </action>.")
+# The fixed texts of the ALFWorld turn prompt (`build_prompt`) and of the engine's intro, verbatim.
+# [ours] The tiny preset's tokenizer makes each one a single token (train.train_tiny_tokenizer): they
+# carry no information, and as words they were a third of every prompt's tokens. Kept in sync with
+# the template by tests/test_envs.py (each phrase occurs in a built prompt).
+PROMPT_PHRASES = (_PROMPT_HEAD, TASK_PREFIX.strip(), "Prior to this step, you have already taken",
+                  "step(s). Below are the most recent", "observations and the corresponding actions you took:",
+                  "You are now at step", "and your current observation is:",
+                  "Your admissible actions of the current situation are:", "', '", _PROMPT_TAIL,
+                  "-= Welcome to TextWorld, ALFRED! =-",
+                  "You are in the middle of a room. Looking quickly around you, you see")
 
 
 def _one_line(text) -> str:
@@ -1031,6 +1041,7 @@ _SEARCH_HEAD = ("Answer the question. Reason inside <think> </think> first. When
                 "<information> </information>. You may search several times. When you know the "
                 "answer, give only the answer inside <answer> </answer>, for example "
                 "<answer> Paris </answer>.")
+SEARCH_PHRASES = (_SEARCH_HEAD, "earlier turn(s) not shown)")   # as PROMPT_PHRASES, for `build_search_prompt`
 
 
 def build_search_prompt(question: str, obs: str, admissible=None, history=(), history_len: int = 4) -> str:

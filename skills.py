@@ -53,6 +53,15 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 SKILL_PREFIX = "Skill for this task: "
+_ANALYZER_HEAD = "You are reviewing one episode of an agent acting in a text environment."
+_WON_REQUEST = ("The agent succeeded. Write a reusable step-by-step workflow for this kind of task: the general "
+                "steps that led to success.")
+_LOST_REQUEST = ("The agent failed. Write avoidance rules for this kind of task: the mistakes made in this "
+                 "episode and what to do instead.")
+_ANSWER_FORMAT = 'words. Answer with exactly one JSON object and nothing else: {"skill": "..."}'
+# The analyzer prompt's and the skill line's fixed texts: single tokens of the tiny preset's
+# tokenizer [ours] (see envs.PROMPT_PHRASES).
+ANALYZER_PHRASES = (SKILL_PREFIX.strip(), _ANALYZER_HEAD, _WON_REQUEST, _LOST_REQUEST, _ANSWER_FORMAT)
 MAX_WORDS_FACTOR = 2  # a skill over MAX_WORDS_FACTOR * max_words words is invalid [ours]
 NON_ASCII_MAX = 0.2  # a skill with more than this share of non-ASCII characters is invalid [ours]
 BANK_VERSION = 1
@@ -85,7 +94,7 @@ def analyzer_prompt(
     shown = steps[-max_steps:] if max_steps > 0 else []
     first = len(steps) - len(shown)  # 0-based index of the first step shown
     lines = [
-        "You are reviewing one episode of an agent acting in a text environment.",
+        _ANALYZER_HEAD,
         f"Task: {' '.join(task.split())}",
         f"Outcome: {outcome}",
         "",
@@ -100,14 +109,8 @@ def analyzer_prompt(
                   f"Action: {_clip(act, max_obs_chars)}", ""]
     if lines[-1]:
         lines.append("")
-    if won:
-        lines.append("The agent succeeded. Write a reusable step-by-step workflow for this kind "
-                     "of task: the general steps that led to success.")
-    else:
-        lines.append("The agent failed. Write avoidance rules for this kind of task: the "
-                     "mistakes made in this episode and what to do instead.")
-    lines.append(f"Use at most {max_words} words. Answer with exactly one JSON object and "
-                 'nothing else: {"skill": "..."}')
+    lines.append(_WON_REQUEST if won else _LOST_REQUEST)
+    lines.append(f"Use at most {max_words} {_ANSWER_FORMAT}")
     return "\n".join(lines)
 
 

@@ -180,6 +180,45 @@ def test_tiny_tokenizer_round_trips_through_a_saved_checkpoint(tmp_path):
     assert back.eos_token_id == tok.eos_token_id and back.pad_token_id == tok.pad_token_id
 
 
+def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path):
+    from envs import PROMPT_PHRASES, SEARCH_PHRASES, build_prompt, build_search_prompt
+    from skills import ANALYZER_PHRASES, analyzer_prompt, insert_skill
+    intro = ("-= Welcome to TextWorld, ALFRED! =- You are in the middle of a room. Looking quickly around you, "
+             "you see a desk 1, and a shelf 1. Your task is to: put a mug in shelf.")
+    alf = build_prompt("put a mug in shelf.", "You arrive at desk 1.", ["go to shelf 1", "take mug 1 from desk 1"],
+                       [(intro, "go to desk 1")], history_len=2)
+    alf = insert_skill(alf, "take the mug to the shelf", "Your task is to: put a mug in shelf.")
+    search = build_search_prompt("who?", "no", history=[("q", "<search> a </search>")] * 2, history_len=1)
+    an = analyzer_prompt("put a mug in shelf.", True, [("obs", "go to desk 1")]) + \
+        analyzer_prompt("put a mug in shelf.", False, [("obs", "go to desk 1")])
+    # the phrase lists stay in sync with the templates: every fixed text occurs verbatim
+    for p in PROMPT_PHRASES:
+        assert p in intro + alf, p
+    for p in SEARCH_PHRASES:
+        assert p in search, p
+    for p in ANALYZER_PHRASES:
+        assert p in an + alf, p
+    tok = T.train_tiny_tokenizer([alf, an, "user assistant"])
+    words = T.train_tiny_tokenizer([alf, an, "user assistant"], phrases=())
+    ids = tok.encode(alf, add_special_tokens=False)
+    toks = tok.convert_ids_to_tokens(ids)
+    # each phrase in the prompt is one token (the tail holds <think> etc. inside it: longest match wins)
+    for p in PROMPT_PHRASES + ("Skill for this task:",):
+        assert toks.count(p) == alf.count(p) > 0, p
+    # the same count as the word tokenizer on the prompt with every phrase replaced by one word
+    one_word = alf
+    for p in sorted(PROMPT_PHRASES + ("Skill for this task:",), key=len, reverse=True):
+        one_word = one_word.replace(p, " PHRASE ")
+    assert len(ids) == len(words.encode(one_word, add_special_tokens=False))
+    assert len(ids) < 0.5 * len(words.encode(alf, add_special_tokens=False))   # this short prompt: 188 → 78
+    # responses keep their word tokens and decode unchanged; the phrases survive save/load
+    r = "<think> </think> <action> go to shelf 1 </action>"
+    assert tok.encode(r, add_special_tokens=False) == [tok.convert_tokens_to_ids(w) for w in r.split()]
+    assert tok.decode(tok.encode(r, add_special_tokens=False)) == r
+    tok.save_pretrained(tmp_path)
+    assert T.load_tokenizer(str(tmp_path)).encode(alf, add_special_tokens=False) == ids
+
+
 def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
     from envs import list_games
     games = list_games(str(ROOT / "data" / "alfworld"), "train")[:2]
