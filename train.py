@@ -32,7 +32,7 @@ Choices, all **[ours]**:
    `--opsd_keep p` keeps only a random fraction p of the advantage-0 turns whose task has a
    teacher (their only signal is the OPSD term), bounding RSIPO's extra scoring and update cost.
    With `--model tiny` the flags a command line does not give take `TINY_DEFAULTS` (opsd_keep 0.3,
-   M = 2 replays per skill): RSIPO's step then costs 1.22x GRPO's (README "Step time").
+   M = 2 replays per skill): RSIPO's step then costs 1.43x GRPO's (README "Step time").
 6. Evaluation samples at temperature 0.4 (the papers' validation setting) with `--eval_repeats`
    episodes per game; `--lr_warmup` ramps the RL rate from Adam's own step count.
 7. RSIPO (DESIGN §2 steps 3-9): the analyzer reads a won episode of the task if there is one
