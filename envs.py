@@ -597,7 +597,7 @@ _PROMPT_TAIL = ("Now it's your turn to take an action. First reason inside <thin
 # The fixed texts of the ALFWorld turn prompt (`build_prompt`) and of the engine's intro, verbatim.
 # [ours] The tiny preset's tokenizer makes each one a single token (train.train_tiny_tokenizer): they
 # carry no information, and as words they were a third of every prompt's tokens. Kept in sync with
-# the template by tests/test_envs.py (each phrase occurs in a built prompt).
+# the template by tests/test_train.py (each phrase occurs in a built prompt).
 PROMPT_PHRASES = (_PROMPT_HEAD, TASK_PREFIX.strip(), "Prior to this step, you have already taken",
                   "step(s). Below are the most recent", "observations and the corresponding actions you took:",
                   "You are now at step", "and your current observation is:",
