@@ -22,9 +22,10 @@ Choices, all **[ours]**:
 2. Ranks pad the update to the same number of micro-batches (empty micro-batches contribute 0),
    because FSDP2 needs every rank to run the same number of forward/backward passes.
 3. `--model tiny`: a 2-layer Qwen2 (hidden 128) with a word-level tokenizer trained on the games'
-   text, whose prompts' fixed sentences are single tokens (`train_tiny_tokenizer`), and a warm start by behaviour cloning of the games' engine-verified walkthroughs (no
-   downloads): the RL games' own plus `--sft_walkthroughs` (480 walkthrough-only games; with the
-   120 alone the warm start overfits). `--constrained` decoding (tiny preset only, see rollout.py) is on by default for it.
+   text, whose prompts' fixed sentences are single tokens (`train_tiny_tokenizer`), and a warm start
+   by behaviour cloning of the games' engine-verified walkthroughs (no downloads): the RL games' own
+   plus `--sft_walkthroughs` (480 walkthrough-only games; with the 120 alone the warm start overfits).
+   `--constrained` decoding (tiny preset only, see rollout.py) is on by default for it.
 4. RL tasks are sampled uniformly from the training games each step (seeded), or evenly over task
    types with `--tasks_by_type` (`draw_tasks`).
 5. `--drop_zero_adv`: turn-samples with advantage 0 and no teacher signal (λ = 0) are left out of

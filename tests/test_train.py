@@ -182,7 +182,7 @@ def test_tiny_tokenizer_round_trips_through_a_saved_checkpoint(tmp_path):
 
 def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path):
     from envs import PROMPT_PHRASES, SEARCH_PHRASES, build_prompt, build_search_prompt
-    from skills import ANALYZER_PHRASES, analyzer_prompt, insert_skill
+    from skills import ANALYZER_PHRASES, SKILL_PREFIX, analyzer_prompt, insert_skill
     intro = ("-= Welcome to TextWorld, ALFRED! =- You are in the middle of a room. Looking quickly around you, "
              "you see a desk 1, and a shelf 1. Your task is to: put a mug in shelf.")
     alf = build_prompt("put a mug in shelf.", "You arrive at desk 1.", ["go to shelf 1", "take mug 1 from desk 1"],
@@ -202,12 +202,13 @@ def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path
     words = T.train_tiny_tokenizer([alf, an, "user assistant"], phrases=())
     ids = tok.encode(alf, add_special_tokens=False)
     toks = tok.convert_ids_to_tokens(ids)
+    in_prompt = PROMPT_PHRASES + (SKILL_PREFIX.strip(),)   # "Skill for this task:"
     # each phrase in the prompt is one token (the tail holds <think> etc. inside it: longest match wins)
-    for p in PROMPT_PHRASES + ("Skill for this task:",):
+    for p in in_prompt:
         assert toks.count(p) == alf.count(p) > 0, p
     # the same count as the word tokenizer on the prompt with every phrase replaced by one word
     one_word = alf
-    for p in sorted(PROMPT_PHRASES + ("Skill for this task:",), key=len, reverse=True):
+    for p in sorted(in_prompt, key=len, reverse=True):
         one_word = one_word.replace(p, " PHRASE ")
     assert len(ids) == len(words.encode(one_word, add_special_tokens=False))
     assert len(ids) < 0.5 * len(words.encode(alf, add_special_tokens=False))   # this short prompt: 188 → 78
