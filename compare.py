@@ -38,11 +38,9 @@ def warm_start(a, extra: list[str]) -> list[str]:
             subprocess.run(cmd, check=True, cwd=HERE)
     if not (path / "config.json").exists():
         raise SystemExit(f"error: --warm_start {path}: not a Hugging Face model folder (no config.json)")
-    # a model loaded from a path is not the tiny preset, so its [ours] settings are asked for: constrained
-    # decoding and train.TINY_DEFAULTS (flags given after `--` come later on the command line and win)
-    from train import TINY_DEFAULTS
-    preset = [x for k, v in TINY_DEFAULTS.items() for x in (f"--{k}", str(v))]
-    return ["--model", str(path), "--sft_steps", "0", "--constrained", "true", *preset]
+    # a tiny-preset checkpoint gets the tiny preset's settings by itself (train.is_tiny); flags given after
+    # `--` come later on the command line and win
+    return ["--model", str(path), "--sft_steps", "0"]
 
 
 def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:

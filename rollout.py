@@ -55,6 +55,7 @@ class Turn:
     step: int
     prompt_text: str = ""
     response_text: str = ""
+    free: bool = True                          # sampler log-probs comparable with π_old (T 1, unconstrained)
 
 
 @dataclass
@@ -70,18 +71,23 @@ class Episode:
     won: bool = False
     error: Optional[str] = None
     skill: Optional[str] = None                # skill in the prompt (replays / teacher), None = student
+    overflow: int = 0                          # turns whose prompt did not fit even without history (invalid)
 
 
 @dataclass
 class Generation:
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
+    text: str                     # exactly tok.decode(token_ids): the text that is parsed
+    token_ids: list[int]          # the response: up to and including the stop text's last token, no EOS, no padding
+    logprobs: list[float]         # the sampler's log-prob of each token, under the distribution it was drawn from
     prompt_ids: list[int]
+    free: bool = True             # sampled at T 1, top-p 1, unconstrained: the log-probs are the trainer's π_old's
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     """Token ids of a single-turn chat prompt with the generation header (the chat template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: give --model "
+                         "an instruct / chat checkpoint (its tokenizer_config.json holds `chat_template`)")
     msgs = [{"role": "user", "content": prompt}]
     out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "keys"):
@@ -89,11 +95,28 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(out)
 
 
-def cut_after_stop(text: str, stop_texts) -> str:
-    """`text` up to the end of the first stop text completed in it (where generation stopped);
-    unchanged when none appears. Both engines cut their decoded text with it."""
-    ends = [text.index(s) + len(s) for s in stop_texts if s in text]
-    return text[:min(ends)] if ends else text
+def response_end(toks: list[int], decode, eos_ids, stop_ids=(), stop_texts=()) -> int:
+    """Length of the response inside a generated row: up to an EOS id (excluded), a single-token stop id
+    (included), or the token that completes a stop text (included), whichever comes first; everything
+    after it is padding or tokens sampled past the stop. `decode`: ids → text."""
+    n = len(toks)
+    for j, t in enumerate(toks):
+        if t in eos_ids:
+            n = j
+            break
+        if t in stop_ids:
+            n = j + 1
+            break
+    if stop_texts and any(s in decode(toks[:n]) for s in stop_texts):
+        lo, hi = 1, n                        # the shortest prefix whose text holds a stop text (monotone in length)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in decode(toks[:mid]) for s in stop_texts):
+                hi = mid
+            else:
+                lo = mid + 1
+        n = lo
+    return n
 
 
 class _PrefixTrie:
@@ -116,8 +139,68 @@ class _PrefixTrie:
         return list(node.keys()) or [self.end_id]
 
 
+def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter: logits of the tokens outside the smallest set whose probability reaches top_p → -inf
+    (the most likely token always stays). logits [B, V] → [B, V]."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)                     # [B, V]
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs                                            # mass of the tokens ranked above
+    drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, idx, before >= top_p)   # vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+class SamplerLogprobs:
+    """A logits processor that *is* the sampler's temperature and top-p, and keeps the log-prob of each
+    sampled token under the distribution it was drawn from, one [B, V] row at a time (the token sampled
+    at step t is read from input_ids at step t + 1). `output_scores` would keep every step's [B, V]
+    scores: about 62 GB at 64 prompts × 512 tokens with Qwen's 152k vocabulary."""
+
+    def __init__(self, temperature: float, top_p: float):
+        self.temperature, self.top_p = temperature, top_p
+        self.prev: Optional[torch.Tensor] = None      # [B, V] log-probs of the last step's distribution
+        self.taken: list[torch.Tensor] = []           # [B] per generated token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev is not None:
+            self.taken.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        scores = top_p_mask(scores.float() / self.temperature, self.top_p)            # [B, V]
+        self.prev = scores.log_softmax(-1)
+        return scores
+
+    def logprobs(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T] log-probs of the generated tokens [B, T] (after generate returned)."""
+        if self.prev is None:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32)
+        last = self.prev.gather(-1, new_tokens[:, len(self.taken):len(self.taken) + 1]).squeeze(-1)
+        return torch.stack(self.taken + [last], dim=1)[:, :new_tokens.shape[1]].cpu()
+
+
+def neutral_generation_config(**kw):
+    """A GenerationConfig that holds only what the trainer's π_old assumes: no repetition or length
+    penalties, no top-k, no forced or suppressed tokens; temperature and top-p are applied by
+    `SamplerLogprobs`. HF fills any field left None from the checkpoint's generation_config.json
+    (Qwen2.5-Instruct: repetition_penalty 1.05, top_k 20, top_p 0.8, temperature 0.7), which made the
+    sampler differ from the trainer by 0.3 nat/token; so every such field is set here."""
+    from transformers import GenerationConfig
+    return GenerationConfig(temperature=1.0, top_p=1.0, top_k=0, min_p=None, typical_p=1.0, epsilon_cutoff=0.0,
+                            eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+                            no_repeat_ngram_size=0, length_penalty=1.0, min_length=0, min_new_tokens=None,
+                            bad_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None,
+                            forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None,
+                            renormalize_logits=False, num_beams=1, **kw)
+
+
 class HFEngine:
-    """Batched Hugging Face generation for CPU runs and tests (same interface as the vLLM engine)."""
+    """Batched Hugging Face generation for CPU runs and tests (same interface as the vLLM engine).
+
+    Prompts must fit `max_prompt_tokens` (callers drop history to fit: `fit_prompt`); a longer one is an
+    error, never silently cut. `eos_ids`: the ids that end a response (the tokenizer's EOS, plus the
+    checkpoint's generation_config eos ids, e.g. Qwen's <|endoftext|> besides <|im_end|>). A response is
+    cut where generation stopped (`response_end`), so padding never enters `token_ids` whatever the pad id.
+    Sampling follows `neutral_generation_config` plus our temperature / top-p (`SamplerLogprobs`): exactly
+    the distribution the trainer's π_old computes at T 1."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 512, temperature: float = 1.0,
                  top_p: float = 1.0, max_prompt_tokens: int = 2048, stop_texts: Optional[list[str]] = None):
@@ -129,12 +212,19 @@ class HFEngine:
         stops = [tokenizer.encode(t, add_special_tokens=False) for t in self.stop_texts]
         # one token each in the tiny vocabulary: stop on the ids; else on the strings
         self.stop_ids = [x[0] for x in stops] if all(len(x) == 1 for x in stops) else []
-        self.stop_id = self.stop_ids[0] if self.stop_ids else None
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        gc_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        gc_eos = [gc_eos] if isinstance(gc_eos, int) else list(gc_eos or [])
+        self.eos_ids = [i for i in dict.fromkeys([tokenizer.eos_token_id] + gc_eos) if i is not None and i < len(tokenizer)]
+        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+            raise ValueError(f"HFEngine needs a pad token that is not EOS (pad {tokenizer.pad_token_id}, EOS "
+                             f"{tokenizer.eos_token_id}): train.load_tokenizer picks one")
+        self.pad_id = tokenizer.pad_token_id
 
     def encode(self, prompt: str) -> list[int]:
-        ids = chat_ids(self.tok, prompt)
-        return ids[-self.max_prompt_tokens:]
+        return chat_ids(self.tok, prompt)
+
+    def prompt_len(self, prompt: str) -> int:
+        return len(self.encode(prompt))
 
     @torch.no_grad()
     def generate(self, prompts: list[str], temperature: Optional[float] = None, greedy: bool = False,
@@ -149,22 +239,26 @@ class HFEngine:
 
     def _generate(self, prompts, temperature, greedy, allowed_actions, max_new_tokens, stop):
         temperature = self.temperature if temperature is None else temperature
+        greedy = greedy or temperature <= 0
         ids = [self.encode(p) for p in prompts]
+        too_long = [len(x) for x in ids if len(x) > self.max_prompt_tokens]
+        if too_long:
+            raise ValueError(f"a prompt of {too_long[0]} tokens exceeds --max_prompt_tokens {self.max_prompt_tokens} "
+                             "(callers fit prompts by dropping history: rollout.fit_prompt)")
         L = max(len(x) for x in ids)
         input_ids = torch.full((len(ids), L), self.pad_id, dtype=torch.long)         # [B, L] left-padded
         attn = torch.zeros((len(ids), L), dtype=torch.long)
         for b, x in enumerate(ids):
             input_ids[b, L - len(x):] = torch.tensor(x)
             attn[b, L - len(x):] = 1
-        eos = [self.tok.eos_token_id] + (self.stop_ids if stop else [])
-        kw = dict(max_new_tokens=max_new_tokens or self.max_new_tokens, pad_token_id=self.pad_id,
-                  eos_token_id=eos, output_scores=True, return_dict_in_generate=True)
+        device = next(self.model.parameters()).device
+        eos = self.eos_ids + (self.stop_ids if stop else [])
+        sampler = SamplerLogprobs(1.0 if greedy else temperature, 1.0 if greedy else self.top_p)
+        gc = neutral_generation_config(do_sample=not greedy, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                                       pad_token_id=self.pad_id, eos_token_id=eos)
+        kw = {"logits_processor": [sampler]}
         if stop and not self.stop_ids:
             kw.update(stop_strings=self.stop_texts, tokenizer=self.tok)
-        if greedy or temperature <= 0:
-            kw.update(do_sample=False)
-        else:
-            kw.update(do_sample=True, temperature=temperature, top_p=self.top_p, top_k=0)
         if allowed_actions is not None:
             tries = []
             for acts in allowed_actions:
@@ -172,32 +266,48 @@ class HFEngine:
                         for a in acts]
                 tries.append(_PrefixTrie(seqs, self.tok.eos_token_id))
             kw["prefix_allowed_tokens_fn"] = lambda b, seq: tries[b].allowed(seq[L:].tolist())
-        was_training = self.model.training
+        was_training, saved = self.model.training, self.model.generation_config
         self.model.eval()
-        res = self.model.generate(input_ids=input_ids, attention_mask=attn, **kw)
-        if was_training:
-            self.model.train()
-        seqs = res.sequences[:, L:]                                                   # [B, T]
-        # Log-probs of the sampled tokens under the sampling distribution (diagnostics only).
-        scores = torch.stack(res.scores, dim=1).float().log_softmax(-1)               # [B, T, V]
-        lp = scores.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)                        # [B, T]
+        self.model.generation_config = gc      # HF fills unset fields from it: none may come from the checkpoint
+        try:
+            seqs = self.model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device),
+                                       generation_config=gc, **kw)[:, L:]             # [B, T]
+        finally:
+            self.model.generation_config = saved
+            self.model.train(was_training)
+        lp = sampler.logprobs(seqs)                                                  # [B, T]
+        seqs = seqs.cpu()
+        free = not greedy and temperature == 1.0 and self.top_p >= 1.0 and allowed_actions is None
+        decode = lambda t: self.tok.decode(t, skip_special_tokens=False)             # noqa: E731
         gens = []
         for b in range(len(prompts)):
             toks = seqs[b].tolist()
-            n = len(toks)
-            for j, t in enumerate(toks):
-                if t in eos:
-                    n = j + 1 if t in self.stop_ids else j
-                    break
-            toks = toks[:n]
-            text = self.tok.decode(toks, skip_special_tokens=False)
-            if stop and not self.stop_ids:   # stopped on a string: cut after it
-                text = cut_after_stop(text, self.stop_texts)
-            gens.append(Generation(text, toks, lp[b, :n].tolist(), ids[b]))
+            n = response_end(toks, decode, self.eos_ids, self.stop_ids if stop else (),
+                             self.stop_texts if stop and not self.stop_ids else ())
+            gens.append(Generation(decode(toks[:n]), toks[:n], lp[b, :n].tolist(), ids[b], free))
         return gens
 
 
-VLLM_VERSION = "0.32.0"   # the release whose internals VLLMEngine._inner_model was checked against
+def fit_prompt(build: Callable[[int], str], n_max: int, count: Callable[[str], int], budget: int) -> Optional[str]:
+    """The prompt `build(k)` with the most history items k ≤ n_max that fits `budget` tokens (`count`: text →
+    tokens, monotone in k), or None when even k = 0 does not fit. The oldest history goes first; the task,
+    skill and instructions are never cut (a prompt cut from the left lost exactly those)."""
+    p = build(n_max)
+    if count(p) <= budget:
+        return p
+    lo, hi = 0, n_max - 1                     # the largest fitting k in [0, n_max - 1], by bisection
+    if count(build(0)) > budget:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(build(mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return build(lo)
+
+
+VLLM_VERSION = "0.32.0"   # the release whose internals VLLMEngine._worker / close were checked against
 
 
 class VLLMEngine:
@@ -205,8 +315,9 @@ class VLLMEngine:
 
     Pinned to vllm==0.32.0 (`requirements-gpu.txt`; it requires torch==2.13.0, the project's torch, and
     transformers<5.20). The module imports without vLLM: `vllm` is imported here, in the constructor.
-    * Prompts go in as token ids built by our own `chat_ids` and left-truncated to `max_prompt_tokens`,
-      exactly like `HFEngine.encode`, so both engines see the same prompt tokens.
+    * Prompts go in as token ids built by our own `chat_ids`, exactly like `HFEngine.encode`, so both
+      engines see the same prompt tokens; a prompt over `max_prompt_tokens` is an error (callers fit
+      prompts by dropping history, `fit_prompt`).
     * The engine runs in this process (`distributed_executor_backend="external_launcher"`, tensor
       parallel 1): under torchrun every rank holds its own engine on its own GPU and generates its own
       share of the tasks; vLLM reuses the process group that train.py already set up. `seed` is the
@@ -215,11 +326,26 @@ class VLLMEngine:
     * Sampled log-probs come from `SamplingParams(logprobs=0)` (the sampled token only), in
       `logprobs_mode` (default `processed_logprobs`: under the sampling distribution, as HFEngine's);
       they are for diagnostics, the trainer recomputes old log-probs.
+    * Sampling is only what the trainer's π_old assumes: temperature and top-p from our arguments,
+      top-k off, min-p 0, repetition penalty 1, presence / frequency penalty 0, all set explicitly on
+      every request, and `LLM(generation_config="vllm")`, so a checkpoint's generation_config.json
+      (Qwen2.5-Instruct: repetition_penalty 1.05, top_k 20, top_p 0.8, temperature 0.7) changes nothing.
+      (vLLM 0.32's default "auto" turns that file into default SamplingParams, config/model.py:1847-1902,
+      used only when a request brings none, entrypoints/llm.py:411 and :470-471; its `eos_token_id` list
+      still adds stop ids in any mode, v1/engine/input_processor.py:489, sampling_params.py:772, which
+      changes where a response ends, not the distribution.)
     * Output contract as HFEngine: response token ids up to and including a stop text's token, a
-      trailing EOS dropped, text decoded from those ids by our tokenizer and cut after the stop text.
+      trailing EOS dropped (the tokenizer's, or a checkpoint eos id that vLLM reports as an integer
+      `stop_reason`), text exactly the decoding of those ids by our tokenizer; `free` when sampled at
+      T 1 and top-p 1.
     * `sleep()` (level 1: weights offloaded to CPU, KV cache freed) before the update;
-      `load_weights(named_tensors)` wakes the weights, pushes every tensor, wakes the KV cache and
-      resets the prefix cache (its blocks were computed with the old weights).
+      `load_weights(named_tensors)` wakes the weights, pushes every tensor through the worker's
+      `reload_weights` (vLLM's in-place reload: it re-runs post-load processing and keeps tensor
+      storage, so CUDA graphs and a tied LM head stay valid; on vLLM's CPU backend a tied head's packed
+      kernel copy is then re-packed, `_repack_tied_cpu_head`), wakes the KV cache and resets the prefix
+      cache (its blocks were computed with the old weights).
+    * `close()` shuts vLLM down; call it before `dist.destroy_process_group()` (vLLM's shutdown
+      destroys its own process groups and torch's default one; after it `dist.is_initialized()` is False).
 
     Choices, all **[ours]**:
     1. `allowed_actions` (constrained decoding, the tiny CPU preset's feature) raises ValueError.
@@ -260,18 +386,22 @@ class VLLMEngine:
         self.sleep_mode = enable_sleep_mode
         self.asleep = False
         self.push_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
-        self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
-                            distributed_executor_backend="external_launcher", enable_sleep_mode=enable_sleep_mode,
-                            gpu_memory_utilization=gpu_memory_utilization, max_model_len=self.max_model_len,
-                            enable_prefix_caching=True, enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
-                            **(llm_kwargs or {}))
+        kw = dict(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
+                  distributed_executor_backend="external_launcher", enable_sleep_mode=enable_sleep_mode,
+                  gpu_memory_utilization=gpu_memory_utilization, max_model_len=self.max_model_len,
+                  enable_prefix_caching=True, enforce_eager=enforce_eager, logprobs_mode=logprobs_mode,
+                  generation_config="vllm")   # not the checkpoint's generation_config.json sampling defaults
+        kw.update(llm_kwargs or {})
+        self.llm = vllm.LLM(**kw)
 
-    encode = HFEngine.encode   # the same prompt ids as HFEngine: our chat template, left-truncated
+    encode = HFEngine.encode           # the same prompt ids as HFEngine: our chat template
+    prompt_len = HFEngine.prompt_len
 
     def _sampling_params(self, max_tokens: int, temperature: float, greedy: bool, stop: bool):
         kw = dict(n=1, max_tokens=max_tokens, logprobs=0, temperature=0.0 if greedy else temperature,
-                  top_p=1.0 if greedy else self.top_p, top_k=0, seed=None, skip_special_tokens=False,
-                  include_stop_str_in_output=True)
+                  top_p=1.0 if greedy else self.top_p, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                  presence_penalty=0.0, frequency_penalty=0.0, seed=None, skip_special_tokens=False,
+                  include_stop_str_in_output=True)   # every sampling knob explicit: only temperature / top-p act
         if stop:
             kw.update(stop=list(self.stop_texts), stop_token_ids=list(self.stop_token_ids))
         return self._SamplingParams(**kw)
@@ -282,28 +412,39 @@ class VLLMEngine:
         if allowed_actions is not None:
             raise ValueError("VLLMEngine has no constrained decoding (allowed_actions): it is a feature of the "
                              "tiny CPU preset's HFEngine; run with --constrained false")
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.generate after close()")
         if self.asleep:
             raise RuntimeError("VLLMEngine.generate while asleep: call load_weights(...) or wake_up() first")
         temperature = self.temperature if temperature is None else temperature
         greedy = greedy or temperature <= 0
         want = max_new_tokens or self.max_new_tokens
         ids = [self.encode(p) for p in prompts]
+        too_long = [len(x) for x in ids if len(x) > self.max_prompt_tokens]
+        if too_long:
+            raise ValueError(f"a prompt of {too_long[0]} tokens exceeds --max_prompt_tokens {self.max_prompt_tokens} "
+                             "(callers fit prompts by dropping history: rollout.fit_prompt)")
         params = [self._sampling_params(min(want, self.max_model_len - len(x)), temperature, greedy, stop) for x in ids]
         outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-        return [self._generation(o.outputs[0], x, stop) for o, x in zip(outs, ids)]
+        free = not greedy and temperature == 1.0 and self.top_p >= 1.0
+        return [self._generation(o.outputs[0], x, free, stop) for o, x in zip(outs, ids)]
 
-    def _generation(self, c, prompt_ids: list[int], stop: bool) -> Generation:
+    def _generation(self, c, prompt_ids: list[int], free: bool, stop: bool) -> Generation:
         toks = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(toks):
             raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-prob entries "
                                f"for {len(toks)} tokens (SamplingParams(logprobs=0) was asked for)")
         lps = [float(pos[t].logprob) for pos, t in zip(c.logprobs, toks)]   # the sampled token's entry
-        if toks and c.finish_reason == "stop" and c.stop_reason is None:    # ended on EOS: dropped, as HFEngine
+        # ended on EOS (stop_reason None) or on a checkpoint eos id that vLLM adds as a stop token id (an int
+        # stop_reason that is not one of our single-token stop texts): the EOS is dropped, as HFEngine
+        eos = c.stop_reason is None or (isinstance(c.stop_reason, int) and c.stop_reason not in self.stop_token_ids)
+        if toks and c.finish_reason == "stop" and eos:
             toks, lps = toks[:-1], lps[:-1]
-        text = self.tok.decode(toks, skip_special_tokens=False)
-        if stop:   # a stop string may end inside the last token
-            text = cut_after_stop(text, self.stop_texts)
-        return Generation(text, toks, lps, prompt_ids)
+        decode = lambda t: self.tok.decode(t, skip_special_tokens=False)   # noqa: E731
+        if stop:   # up to the token that completes the first stop text, as HFEngine
+            n = response_end(toks, decode, (), (), self.stop_texts)
+            toks, lps = toks[:n], lps[:n]
+        return Generation(decode(toks), toks, lps, prompt_ids, free)
 
     def sleep(self):
         """Level 1: weights to CPU, KV cache freed (GPU memory for the update). Idempotent."""
@@ -331,17 +472,34 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         return n
 
-    def _inner_model(self):
-        """The torch module inside this rank's vLLM worker: the only line that touches vLLM internals.
+    def _worker(self):
+        """This rank's vLLM worker: the one attribute path into vLLM internals (checked on vllm 0.32.0).
 
-        vllm 0.32.0, in-process V1 engine (external_launcher): LLM.llm_engine (v1 LLMEngine) .model_executor
-        (ExecutorWithExternalLauncher) .driver_worker (WorkerWrapperBase) .worker (gpu Worker)
-        .model_runner (GPUModelRunner) .get_model() (unwraps the CUDA-graph wrapper).
+        In-process V1 engine (external_launcher, which forces VLLM_ENABLE_V1_MULTIPROCESSING=0,
+        config/parallel.py:1031-1033): `LLM.llm_engine` (v1 LLMEngine) `.model_executor` (set to
+        `engine_core.engine_core.model_executor`, v1/engine/llm_engine.py:136-138: ExecutorWithExternalLauncher)
+        `.driver_worker` (WorkerWrapperBase, v1/executor/uniproc_executor.py:54) `.worker` (worker_base.py:
+        init_worker; gpu_worker.Worker on CUDA, cpu_worker.CPUWorker on CPU). The same path for both model
+        runners behind `worker.model_runner`: Model Runner V2 (v1/worker/gpu/model_runner.py, CPU:
+        v1/worker/cpu/model_runner.py), the GPU default (config/vllm.py:702-739, `worker.use_v2_model_runner`,
+        gpu_worker.py:237), or the V1 runner (v1/worker/gpu_model_runner.py, CPU: v1/worker/cpu_model_runner.py)
+        under VLLM_USE_V2_MODEL_RUNNER=0 or a feature V2 lacks. Both have `get_model()` and
+        `reload_weights(weights_iterator=...)` (gpu/model_runner.py:568, gpu_model_runner.py:5287), which the
+        worker wraps (gpu_worker.py:629) and `LLM.collective_rpc` reaches (the push, `_push`).
         """
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    def runner_kind(self) -> str:
+        """'v2' (Model Runner V2) or 'v1' (the V1 model runner): which one this rank's worker built."""
+        return "v2" if self._worker().use_v2_model_runner else "v1"
+
+    def inner_model(self):
+        """The torch module in this rank's worker, for checks (weights go in through `load_weights`)."""
+        return self._worker().model_runner.get_model()
 
     def _push(self, named_tensors) -> int:
         seen: set[str] = set()
+        done = []
 
         def stream():
             for name, t in named_tensors:
@@ -352,14 +510,58 @@ class VLLMEngine:
                     raise ValueError(f"weight {name!r} pushed twice")
                 seen.add(name)
                 yield name, t.detach()
+            done.append(True)
 
-        self._inner_model().load_weights(stream())
+        # vLLM's in-place reload (model_executor/model_loader/reload/inplace.py:32): the model's own
+        # load_weights between initialize_/finalize_layerwise_reload, which re-run each layer's post-load
+        # processing and copy into the existing storage. In process, so the generator is passed as is.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+        if not done:
+            raise RuntimeError(f"vLLM stopped reading the weights after {len(seen)} tensors")
+        self.llm.collective_rpc(VLLMEngine._repack_tied_cpu_head)
         return len(seen)
+
+    @staticmethod
+    def _repack_tied_cpu_head(worker) -> bool:
+        """vLLM's CPU backend only: re-pack a tied LM head after the reload; a no-op elsewhere (run in the worker).
+
+        On CPU, UnquantizedEmbeddingMethod.process_weights_after_loading packs the LM head's weight into
+        a oneDNN / SGL kernel copy (`layer.cpu_linear`, model_executor/layers/utils.py:470). A tied head
+        (Qwen2: lm_head.tie_weights(embed_tokens), models/qwen2.py:486-487, layers/vocab_parallel_embedding.py:88-92)
+        gets no weights of its own (a tied model's named_parameters() has the shared tensor once, as
+        model.embed_tokens.weight), so the layerwise reload puts its tensors back unprocessed
+        (reload/layerwise.py:256-267) and the packed copy stays stale: the new embedding,
+        the old head (measured: |Δ log-prob| 0.34 mean after a sync, 1e-7 with this). On GPU the head
+        has no `cpu_linear` and reads the shared, already updated tensor.
+        """
+        model = worker.get_model()
+        head, emb = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+        w = getattr(head, "weight", None)
+        if w is None or w is not getattr(emb, "weight", None) or not hasattr(head, "cpu_linear"):
+            return False
+        head.quant_method.process_weights_after_loading(head)
+        return True
+
+    def close(self):
+        """Shut vLLM down (idempotent). Call it before `dist.destroy_process_group()`, and guard that call
+        with `dist.is_initialized()`: this shutdown destroys torch's default process group too.
+
+        vllm 0.32.0 has no `LLM.shutdown()`. The in-process client `LLM.llm_engine.engine_core` (InprocClient)
+        has `shutdown()` (v1/engine/core_client.py:401): it detaches the finalizer that otherwise runs it at
+        exit (core_client.py:383) and runs EngineCore.shutdown (v1/engine/core.py:824): executor / worker and
+        scheduler shutdown, then `cleanup_dist_env_and_memory()` (distributed/parallel_state.py:2516), which
+        destroys vLLM's groups and, in destroy_distributed_environment (:2506-2513), the default group. Left
+        to that finalizer after the caller's destroy_process_group, the teardown met groups already destroyed:
+        "Invalid process group specified" at exit.
+        """
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
 
 def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_len: int = 5,
                  skills: Optional[dict[int, str]] = None, temperature: Optional[float] = None,
-                 greedy: bool = False, constrained: bool = False, group_offset: int = 0,
+                 greedy: bool = False, constrained: bool = False, group_offset: int = 0, reserve: int = 0,
                  progress: Optional[Callable[[int], None]] = None) -> list[Episode]:
     """Play `n_per_task` episodes of every task in lock-step; all copies of a task start identically.
 
@@ -369,6 +571,11 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
     prefix come from the pool (`pool.build_prompt`, `pool.parse_action`, `pool.task_prefix`;
     ALFWorld's when the pool has none). Returns the episodes in task-major order; episode i belongs
     to task i // n_per_task, group id group_offset + that.
+
+    Every prompt fits the engine's `max_prompt_tokens` minus `reserve` (room for a skill line the teacher
+    inserts later): the oldest history turns are left out until it does (`fit_prompt`). A turn whose prompt
+    cannot fit even with no history is not generated: the env gets an empty action (one step spent, as
+    for an unparsable response), the episode counts it in `ep.overflow`, and there is no training sample.
     """
     key = getattr(pool, "task_key", "gamefile")
     make_prompt = getattr(pool, "build_prompt", build_prompt)
@@ -391,17 +598,24 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
     active = [ep.error is None for ep in eps]
     step = 0
     while any(active):
-        idx = [i for i, a in enumerate(active) if a]
-        prompts = []
-        for i in idx:
+        actions: list[Optional[str]] = [None] * len(eps)
+        live = [i for i, a in enumerate(active) if a]
+        idx, prompts = [], []              # the live episodes whose prompt fits, and their prompts
+        for i in live:
             ep = eps[i]
-            p = make_prompt(ep.task, obs[i], adm[i], ep.steps, history_len=history_len)
-            if ep.skill:
-                p = insert_skill(p, ep.skill, prefix + ep.task)
+
+            def build(h, ep=ep, i=i):
+                p = make_prompt(ep.task, obs[i], adm[i], ep.steps, history_len=h)
+                return insert_skill(p, ep.skill, prefix + ep.task) if ep.skill else p
+            p = fit_prompt(build, history_len, engine.prompt_len, engine.max_prompt_tokens - reserve)
+            if p is None:            # too long even without history: an invalid turn, counted
+                ep.overflow += 1
+                actions[i] = ""
+                continue
+            idx.append(i)
             prompts.append(p)
         gens = engine.generate(prompts, temperature=temperature, greedy=greedy,
-                               allowed_actions=[adm[i] for i in idx] if constrained else None)
-        actions: list[Optional[str]] = [None] * len(eps)
+                               allowed_actions=[adm[i] for i in idx] if constrained else None) if prompts else []
         for i, p, g in zip(idx, prompts, gens):
             act = parse(g.text)
             ep = eps[i]
@@ -409,10 +623,10 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
                                  loss_mask=[1] * len(g.token_ids), sampler_logprobs=g.logprobs,
                                  invalid=act is None, task_id=ep.task_id, task_type=ep.task_type,
                                  group_id=ep.group_id, episode_id=ep.episode_id, step=step,
-                                 prompt_text=p, response_text=g.text))
+                                 prompt_text=p, response_text=g.text, free=g.free))
             actions[i] = act if act is not None else ""
         results = pool.step(actions)
-        for i in idx:
+        for i in live:
             r = results[i]
             ep = eps[i]
             if r is None:   # the pool says this episode was already finished

@@ -13,6 +13,7 @@ Implemented (equation numbers are the ones in DESIGN.md §2):
 * ``turn_scores``        s_{i,t} = R_i − p_fmt·invalid_{i,t}                              (step 1)
 * ``group_advantages``   A_{i,t} = (s_{i,t} − mean_q s) / (std_q s + eps)                 (Eq. 1)
 * ``token_logprobs`` / ``entropy_from_logits``   ℓ = log π(y_t | ·) and H, both in fp32
+  (``logprobs_and_entropy``: both from one log-softmax)
 * ``masked_token_mean``  TokenMean[x] = Σ x·mask / n_tokens
 * ``policy_loss``        L_PG = −TokenMean[min(ρA, clip(ρ, 1−ε, 1+ε)A)], ρ = exp(ℓ − ℓ_old) (Eq. 10)
 * ``kl_k3``              KL_k3(π_θ‖π_ref) = TokenMean[exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1]
@@ -56,6 +57,10 @@ Deviations and choices not fixed by the paper
    ``pg/clip_frac`` counts tokens where the clipped branch is the active one (its gradient is 0).
 7. No clamping of the log-ratio in ``kl_k3`` or ``policy_loss`` (some implementations clamp to
    ±10/±20); the values here are the textbook formulas, tested against hand-derived numbers.
+8. **Masked before the exponential.** Log-ratios (ρ, the k3 KL, the teacher gap) are set to 0 at
+   positions outside the mask *before* ``exp``: a padded position holds arbitrary numbers (the
+   trainer fills ℓ_ref = 0 there), and exp(−ℓ) at ℓ < −88.7 is inf in fp32, which the mask's
+   multiplication by 0 would turn into NaN.
 
 Testing
 -------
@@ -74,6 +79,7 @@ __all__ = [
     "group_advantages",
     "token_logprobs",
     "entropy_from_logits",
+    "logprobs_and_entropy",
     "masked_token_mean",
     "policy_loss",
     "kl_k3",
@@ -137,6 +143,14 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp_all.exp() * logp_all).sum(-1)  # [B,L]
 
 
+def logprobs_and_entropy(logits: Tensor, targets: Tensor, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    """``token_logprobs`` and ``entropy_from_logits`` from one fp32 log-softmax (the [B,L,V] tensors are
+    the memory of a step: one log-softmax, not two). logits [B,L,V], targets [B,L] -> ([B,L], [B,L] or None)."""
+    logp_all = torch.log_softmax(logits.float(), dim=-1)  # [B,L,V] fp32
+    lp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [B,L]
+    return lp, (-(logp_all.exp() * logp_all).sum(-1) if with_entropy else None)  # [B,L]
+
+
 def masked_token_mean(x: Tensor, mask: Tensor, n_tokens: float | Tensor | None = None) -> Tensor:
     """TokenMean[x] = Σ x·mask / n_tokens; n_tokens defaults to mask.sum(), clamped ≥ 1.
 
@@ -155,6 +169,11 @@ def _local_mean(x: Tensor, mask: Tensor) -> float:
     """Detached mean of x over this call's masked tokens (metrics only)."""
     m = mask.to(torch.float32)
     return float((x.detach().float() * m).sum() / m.sum().clamp(min=1.0))
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask is set, 0 elsewhere (no arithmetic with what lies outside the mask)."""
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
 
 
 def _per_token(a: Tensor, like: Tensor) -> Tensor:
@@ -181,7 +200,7 @@ def policy_loss(
     Metrics: pg/loss, pg/clip_frac, pg/ratio_mean, pg/approx_kl, n_tokens.
     """
     A = _per_token(advantages, logp)  # [B,1] or [B,L]
-    log_ratio = logp - old_logp.detach()  # [B,L]
+    log_ratio = _masked(logp - old_logp.detach(), mask)  # [B,L]  0 outside the mask (note 8)
     ratio = log_ratio.exp()  # [B,L]  ρ
     surr1 = ratio * A  # [B,L]  ρA
     surr2 = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A  # [B,L]  clip(ρ)A
@@ -210,7 +229,7 @@ def kl_k3(
 
     logp, ref_logp, mask: [B,L]. Metrics: kl/k3 (the returned value).
     """
-    d = ref_logp.detach() - logp  # [B,L]
+    d = _masked(ref_logp.detach() - logp, mask)  # [B,L]  0 outside the mask, before exp (note 8)
     k3 = d.exp() - d - 1.0  # [B,L] ≥ 0, 0 iff ℓ = ℓ_ref
     loss = masked_token_mean(k3, mask, n_tokens)  # KL term of Eq. (12)
     return loss, {"kl/k3": float(loss.detach())}
@@ -275,7 +294,7 @@ def opsd_loss(
     Metrics: opsd/loss, opsd/gate_mean, opsd/gate_frac_gt_half, opsd/gap_mean, opsd/trust_mean.
     """
     lam = _per_token(trust.detach(), logp)  # [B,1] or [B,L]
-    d = teacher_logp.detach() - logp  # [B,L]  ℓ^T − ℓ
+    d = _masked(teacher_logp.detach() - logp, mask)  # [B,L]  ℓ^T − ℓ, 0 outside the mask (note 8)
     gate = torch.sigmoid(beta * d.detach())  # [B,L]  σ(β·sg(ℓ^T − ℓ))
     loss = masked_token_mean(lam * gate * d, mask, n_tokens)  # Eq. (11)
     with torch.no_grad():

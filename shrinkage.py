@@ -4,6 +4,7 @@ What this file implements (numpy + stdlib only)
   replay_gain(replay_rewards, control_rewards, r_win) -> (g, v)            Eq. 3-4
       g = mean(replay)/r_win - mean(control)/r_win; v = p_T(1-p_T)/M + p_C(1-p_C)/N
       with smoothed win rates p = (k + 1/2)/(n + 1) (the Jeffreys posterior mean).
+  replay_informative(replay_rewards, control_rewards) -> bool              choice 7
   eb_shrink(estimates, variances) -> EBResult                              Eq. 6-8
       Morris (1983, JASA 78:47-55) parametric empirical Bayes for g_q ~ N(theta_q, v_q),
       theta_q ~ N(mu, tau^2), exactly as DESIGN writes it:
@@ -39,6 +40,10 @@ Choices that are ours, not the paper's (**[ours]**)
   5. k < 4: prior_mean is the plain mean and prior_var is 0 (reported for logging only).
   6. replay_gain: the win count is k = sum(clip(r / r_win, 0, 1)) (a fractional reward, e.g. F1,
      counts fractionally; a format penalty cannot make it negative). g uses the unclipped r / r_win.
+  7. replay_informative: when every replay and every control episode has the same reward (all won or
+     all lost), g = 0 by construction whatever the skill says, and lambda = Phi(0) = 1/2 would hand half
+     trust to any parseable text (junk included). The trainer gives such tasks no teacher signal
+     (lambda = 0); their g = 0 still enters Eq. 5 and the type's prior (it is a measured outcome).
 
 Note on James-Stein (what DESIGN's "exactly the positive-part James-Stein" means here)
   With equal v the fixed point is mu = mean(g), tau^2 = max(0, S/(k-1) - v), S = sum (g - mean g)^2.
@@ -199,3 +204,9 @@ def replay_gain(replay_rewards, control_rewards, r_win: float) -> tuple[float, f
     p_c = (np.clip(x_c, 0.0, 1.0).sum() + 0.5) / (x_c.size + 1)  # smoothed control win rate
     v = float(p_t * (1 - p_t) / x_t.size + p_c * (1 - p_c) / x_c.size)  # Eq. (4)
     return g, v
+
+
+def replay_informative(replay_rewards, control_rewards) -> bool:
+    """False when the replays and the control all have one and the same reward (all won or all lost):
+    the replay then says nothing about the skill (choice 7)."""
+    return len(set(map(float, replay_rewards)) | set(map(float, control_rewards))) > 1

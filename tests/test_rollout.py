@@ -124,3 +124,31 @@ def test_evaluation_uses_common_random_numbers(tiny, monkeypatch):
                            constrained=True)
     assert seen[0] == seen[1]
     assert [[a for _, a in e.steps] for e in eps] != seen[0]
+
+
+def test_prompts_drop_history_to_fit_and_an_unfittable_turn_is_invalid_not_a_crash(tiny):
+    tok, model, _ = tiny
+    games = list_games(DATA, "valid_unseen")[:1]
+    eng = HFEngine(model, tok, max_new_tokens=8, temperature=1.0)
+    with EnvPool(num_workers=1, max_steps=4) as pool:
+        eps = run_episodes(eng, pool, [{"gamefile": games[0]}], 1, history_len=3, constrained=True, greedy=True)
+        full = [eng.prompt_len(t.prompt_text) for t in eps[0].turns]
+        # a budget that the later turns' prompts only meet with part of their history left out
+        eng.max_prompt_tokens = full[2] - 1
+        cut = run_episodes(eng, pool, [{"gamefile": games[0]}], 1, history_len=3, constrained=True, greedy=True)[0]
+        # a budget no prompt meets: every turn is invalid (an empty action, counted), the episode still runs
+        eng.max_prompt_tokens = 5
+        none = run_episodes(eng, pool, [{"gamefile": games[0]}], 1, history_len=3, constrained=True)[0]
+    assert full[2] > full[0]   # history makes later prompts longer
+    assert cut.turns and len(cut.turns) + cut.overflow == len(cut.steps)
+    for t in cut.turns:
+        assert eng_len(tok, t.prompt_text) <= full[2] - 1
+        assert "Your task is to: " in t.prompt_text and t.prompt_text.endswith("</action>.")
+    shown = [t.prompt_text.count("[Observation") for t in cut.turns]
+    assert any(n < min(t.step, 3) for n, t in zip(shown, cut.turns))   # some history was left out
+    assert none.turns == [] and none.overflow == len(none.steps) == 4 and none.error is None
+    assert all(a == "" for _, a in none.steps)
+
+
+def eng_len(tok, prompt):
+    return len(chat_ids(tok, prompt))

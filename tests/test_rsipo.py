@@ -202,6 +202,23 @@ def test_kl_k3_hand_values_zero_and_nonnegative():
     assert kl_k3(a, b, torch.ones(64, 16))[0].item() >= 0
 
 
+def test_padded_positions_never_reach_an_exponential():
+    # A padded position holds ref = 0 (the trainer's fill) and a very negative ℓ: unmasked, the k3 term
+    # there is exp(0 - (-100)) = e^100 → inf in fp32, and inf·0 = NaN poisons the masked loss and its grad.
+    logp = torch.tensor([[-1.0, -100.0]], requires_grad=True)
+    ref = torch.tensor([[-2.0, 0.0]])
+    old = torch.tensor([[-1.0, 0.0]])
+    teacher = torch.tensor([[-0.5, 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    loss, m = rsipo_loss(logp, old, torch.tensor([1.0]), mask, entropy=torch.ones(1, 2), ref_logp=ref,
+                         teacher_logp=teacher, trust=torch.tensor([1.0]), alpha=1.0, c_kl=1.0, c_ent=0.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    # only the response token counts: k3 at d = -1 is e^-1 - (-1) - 1 = 0.3678794
+    assert abs(m["kl/k3"] - math.exp(-1)) < 1e-6
+    assert logp.grad[0, 1].item() == 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Eq. (5)
 

@@ -323,9 +323,14 @@ def test_pool_retriever_timeout_fails_the_searching_episodes_without_hanging(bm2
 
 
 class _ScriptedEngine:
-    """Answers call c with script[c][j] for the j-th prompt of that call (no model)."""
+    """Answers call c with script[c][j] for the j-th prompt of that call (no model); a prompt is one token a word."""
+    max_prompt_tokens = 10_000
+
     def __init__(self, script):
         self.script, self.calls, self.prompts = script, 0, []
+
+    def prompt_len(self, prompt):
+        return len(prompt.split())
 
     def generate(self, prompts, temperature=None, greedy=False, allowed_actions=None, **kw):
         texts = self.script[self.calls]
@@ -474,7 +479,8 @@ def test_search_defaults_apply_unless_given():
         ("data/search_qa", "test", 4, 4, 0.01, 1.0, 0.001, False)
     a = T.parse_args(["--env", "search", "--max_turns", "3", "--p_fmt=0.5", "--c_kl", "0.001", "--history_l", "2"])
     assert (a.max_turns, a.p_fmt, a.history_len, a.r_win) == (3, 0.5, 2, 1.0)   # given (even abbreviated) wins
-    assert T.parse_args([]).max_turns == T.Args().max_turns       # ALFWorld untouched
+    assert T.parse_args([]).max_turns == T.TINY_DEFAULTS["max_turns"]                # ALFWorld untouched
+    assert T.parse_args(["--model", "org/real"]).max_turns == T.Args().max_turns
     with pytest.raises(SystemExit, match="--env"):
         T.parse_args(["--env", "webshop"])
 
@@ -499,5 +505,5 @@ def test_train_env_search_end_to_end_rsipo(tmp_path):
     tok = json.loads((run / "tokenizer" / "tokenizer.json").read_text())
     added = {t["content"] for t in tok["added_tokens"]}
     assert {"<search>", "</search>", "<answer>", "</answer>"} <= added
-    st = torch.load(run / "ckpt" / "state.pt", map_location="cpu", weights_only=False)
-    assert any(not torch.equal(v, st["extra"]["ref"][k]) for k, v in st["model"].items())   # RL moved weights
+    from test_train import _changed_from_warm_start, _state
+    assert _changed_from_warm_start(run, _state(run)["model"])   # RL moved weights away from the reference

