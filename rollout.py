@@ -254,11 +254,11 @@ class HFEngine:
         device = next(self.model.parameters()).device
         eos = self.eos_ids + (self.stop_ids if stop else [])
         sampler = SamplerLogprobs(1.0 if greedy else temperature, 1.0 if greedy else self.top_p)
+        multi = stop and not self.stop_ids            # stop texts of several tokens: HF's stop-string criterion
         gc = neutral_generation_config(do_sample=not greedy, max_new_tokens=max_new_tokens or self.max_new_tokens,
-                                       pad_token_id=self.pad_id, eos_token_id=eos)
-        kw = {"logits_processor": [sampler]}
-        if stop and not self.stop_ids:
-            kw.update(stop_strings=self.stop_texts, tokenizer=self.tok)
+                                       pad_token_id=self.pad_id, eos_token_id=eos,
+                                       stop_strings=self.stop_texts if multi else None)
+        kw = {"logits_processor": [sampler], **({"tokenizer": self.tok} if multi else {})}
         if allowed_actions is not None:
             tries = []
             for acts in allowed_actions:

@@ -50,10 +50,21 @@ Choices, all **[ours]**:
 9. GPU (`--engine vllm`, torchrun): rollouts, skills and replays use one in-process vLLM per rank
    (rollout.VLLMEngine); there is no rollout copy, so old and teacher log-probs come from the FSDP2
    policy in no_grad before the update (then π_old is exactly the policy that sampled, up to kernels),
-   and the weight sync pushes the FSDP2 parameters into vLLM. Under torchrun on GPU the policy keeps
-   fp32 master weights (bf16 compute, fp32 gradient reduce) and the frozen reference is the warm-started
-   checkpoint read back in bf16 and FSDP2-sharded, not a full copy per rank. `--micro_tokens` cuts
-   micro-batches by a padded-token budget (sequences sorted by length) instead of by count.
+   and the weight sync pushes the FSDP2 parameters into vLLM. On GPU (under torchrun; one GPU without it
+   runs as a world of one) the policy keeps fp32 master weights (bf16 compute, fp32 gradient reduce) and
+   the frozen reference is the warm-started checkpoint read back in bf16 and FSDP2-sharded, not a full
+   copy per rank. `--micro_tokens` cuts micro-batches by a padded-token budget (sequences sorted by
+   length) instead of by count.
+10. Defaults: `Args` holds the released settings a real model gets; `--model tiny` (and a checkpoint of
+   the tiny preset) takes TINY_DEFAULTS, `--env search` SEARCH_DEFAULTS, for the flags not given.
+   `--model smollm2` is SmolLM2-135M-Instruct converted offline (cpu_preset.py).
+11. Prompts over `--max_prompt_tokens` leave out their oldest history (rollout.fit_prompt), never the task,
+   skill or instructions; `--skill_max_tokens 0` derives the skill budget from the tokenizer
+   (skills.skill_token_budget); replays that agree entirely with their control give no teacher signal
+   (shrinkage.replay_informative).
+12. Logits are computed at response positions only, with one log-softmax for log-probs and entropy
+   (`collate`, `token_logprobs_of`); `rollout/logp_diff_*` logs the sampler vs trainer gap on freely
+   sampled tokens. Checkpoints are sharded with torch.distributed.checkpoint (`save_checkpoint`).
 """
 from __future__ import annotations
 
@@ -1230,7 +1241,10 @@ def main(argv=None):
     if not args.skill_max_tokens:   # [ours] room for the longest skill parse_skill accepts, in this tokenizer
         args.skill_max_tokens = skill_token_budget(lambda t: tok.encode(t, add_special_tokens=False),
                                                    args.skill_max_words)
-    print0("config (resolved):\n" + "\n".join(f"  --{k} {v}" for k, v in dataclasses.asdict(args).items()))
+    import textwrap
+    print0("config (resolved; also in config.json):\n" + textwrap.fill(
+        "  ".join(f"--{k} {v}" for k, v in dataclasses.asdict(args).items()), 110, initial_indent="  ",
+        subsequent_indent="  ", break_long_words=False, break_on_hyphens=False))
     if RANK == 0:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
     if args.grad_ckpt:   # recompute each decoder block in backward (HF, non-reentrant: fine under FSDP2)

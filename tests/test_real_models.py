@@ -99,8 +99,14 @@ def test_sampling_ignores_the_checkpoints_generation_config(qtok, tiny_qwen):
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32)
     assert model.generation_config.repetition_penalty == 1.05
     eng = HFEngine(model, qtok, max_new_tokens=16, temperature=1.0)
+    seen = []
+    real_generate = model.generate
+    model.generate = lambda **kw: seen.append(kw) or real_generate(**kw)
     torch.manual_seed(0)
     gens = eng.generate(["go to desk 1", "take the mug", "look around the room carefully"], stop=False)
+    # the sampled tokens' log-probs come from the logits processor as generation goes: HF keeps no per-step
+    # [B, V] scores (3.1 × B·T·V·4 bytes; 62 GB at 64 × 512 tokens with this vocabulary)
+    assert not seen[0]["generation_config"].output_scores and "output_scores" not in seen[0]
     assert all(g.free and len(g.token_ids) == 16 for g in gens)
     old = T.score_tokens(model, [(g.prompt_ids, g.token_ids) for g in gens], QWEN_PAD, "cpu", micro_batch=8)
     diff = torch.cat([(o - torch.tensor(g.logprobs)).abs() for o, g in zip(old, gens)])
