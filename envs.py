@@ -1,337 +1,67 @@
-"""Environments: ALFWorld on the real text engine, the turn prompt and action parsing, and a pool
-of worker processes that steps many episodes in lock-step (DESIGN §3 "Environment interface").
+"""Environments: the env and pool interface, ALFWorld and search QA behind it (each with its turn
+prompt and action parser) and their lock-step pools (DESIGN §3 "Environment interface"). What the
+envs run on (game data, the engine, QA data, retrievers) is env_backends.py.
 
 Contract
 --------
-* Data. `list_games(data_root, split, task_types=None)` walks `<data_root>/json_2.1.1/<split>/`
-  like alfworld's own collector (`AlfredTWEnv.collect_game_files`): every folder with a
-  `traj_data.json` and a `game.tw-pddl` whose `solvable` is true is a game; the list is sorted, so
-  the same data always gives the same order. Task types are the six official names or their short
-  names (`TASK_TYPES`: pick, look, clean, heat, cool, pick2). Missing folders, empty splits,
-  unknown task types and malformed files raise `EnvDataError` (a ValueError) naming the path.
-  Games come from `alfworld-download` (the official 3,553/140/134 games) or from this project's
-  generator, `python alfworld_gen.py --out data/alfworld`.
-* `AlfWorldEnv(max_steps=50)`: `reset(gamefile) -> (obs, info)`, `step(action) -> (obs, reward,
-  done, info)`. The engine is textworld's `PddlEnv` (Fast Downward's library for the state, the
-  game's grammar for the text), loaded through alfworld's `AlfredDemangler` exactly as alfworld
-  does ("apple 1", "fridge 1"). The first observation is the game's intro, ending in
-  "Your task is to: ..."; it is the same string every time for the same game. Reward is
-  `R_WIN` = 10 on the step that wins, else 0; `done` when won or after `max_steps` steps
-  (`info["truncated"]`). A command that is not admissible goes to the engine, which answers
-  "Nothing happens.". `info` always has: won, task_type (short), task (the task sentence as the
-  intro states it, `task_from_intro`, e.g. "put a clean apple in fridge." with its period),
-  admissible (sorted, without "help"), gamefile (absolute), steps, truncated, invalid_action,
-  error (None unless the episode failed).
-* `build_prompt(...)` / `parse_action(text)`: the turn prompt (the verl-agent/GiGPO ALFWorld
-  template in our words; the task is its own line `Your task is to: <task>` so that skills.py can
-  insert a skill right after it) and the action parser, both pure functions.
-* `EnvPool(num_workers, max_steps, step_timeout)`: one `AlfWorldEnv` per episode inside worker
-  processes; `reset(gamefiles)` starts one episode per entry (episode i runs in worker
-  i % num_workers; the same game may appear many times, each copy is its own engine state),
-  `step(actions)` advances every active episode by one action with one message per worker,
-  returning None for episodes that are over. A worker that dies or exceeds `step_timeout` ends its
-  active episodes as failed (done, reward 0, won False, `info["error"]` = "worker crashed" /
-  "timeout"), is killed and replaced; `pool.stats` counts it; the caller goes on. `pool.pids`
-  lists the worker processes; `close()` (or `with EnvPool(...) as pool:`) stops them.
+* An env: `reset(task) -> (obs, info)`, `step(action_text) -> (obs, reward, done, info)`; `info`
+  always has won, task_type (short), task (the task sentence or the question), admissible, steps,
+  truncated, invalid_action and error (None unless the episode failed).
+* A pool, what `rollout.run_episodes` drives: `reset(tasks) -> [(obs, info)]` (a task may repeat:
+  each copy is its own episode), `step(actions) -> [(obs, reward, done, info) or None]` (None once
+  an episode is over), `active`, `stats`, `close()` or `with`; and its env family's `task_key`,
+  `task_prefix`, `stop_texts`, `build_prompt` (the turn prompt) and `parse_action` (pure functions).
+* ALFWorld: `AlfWorldEnv(max_steps=50)` plays a gamefile on the real engine, reward `R_WIN` = 10 on
+  the winning step, prompt: the verl-agent/GiGPO template in our words. `EnvPool(num_workers,
+  max_steps, step_timeout, env_class=AlfWorldEnv)` runs the episodes in worker processes.
+* Search QA (Search-R1): `SearchEnv(retriever, tasks, max_turns=4, top_k=3)`: `<search> q </search>`
+  returns passages, `<answer> a </answer>` ends the episode, reward `R_EM` = 1 on an exact match;
+  prompt: Search-R1's instruction in our words. `SearchPool`: EnvPool's calls, in-process.
 
-Choices the paper leaves open, all **[ours]**:
-1. Loaded games are cached per process (`GameCache`, LRU, 64 games): the expensive part of a
-   load (parsing the grammar and the domain, translating PDDL to Fast Downward's SAS form,
-   naming the objects) happens once per game; a reset then builds the initial state from the
-   cached translation (`CachedPddlState`), about 3x cheaper than `PddlEnv.reset`, which
-   translates twice. Output is identical (the tests replay the generator's stored traces).
-   The second, planner-only translation is skipped: no planner ever runs here (no
-   `policy_commands`, no replanning). This reaches into textworld 1.7's `PddlEnv`/`PddlState`
-   private fields; the version is pinned.
-2. Each live episode needs its own copy of Fast Downward's shared library (the library keeps one
-   global state; `fast_downward.load_lib` copies the 33 MB file, ~0.1 s). An `AlfWorldEnv` owns
-   one copy for its lifetime; pool workers keep a free list of envs and reuse them across
-   episodes, so a worker holds as many copies as its largest batch of concurrent episodes.
-3. Action text: stripped; an empty, non-ASCII or over-200-character action (or None) is not sent
-   to the engine: the observation is "Nothing happens.", `info["invalid_action"]` is True, and it
-   counts as a step. Otherwise the text goes to the engine as is (it matches exact, lowercase
-   commands; `parse_action` already normalises).
-4. `parse_action` takes the content of the *last* complete `<action>...</action>` pair (tags
-   case-insensitive and exact, no spaces inside the tag), strips it, collapses runs of spaces and
-   tabs, lowercases it; None when there is no closed pair, or the action is empty, over 200
-   characters, non-ASCII or spans lines. The `<think>` block is optional and not checked (the
-   format penalty is about a parsable action only).
-5. The prompt collapses the whitespace of every observation to one line; history entries are one
-   line each and numbered with their real step numbers (with H = 5 and 12 steps taken, the block
-   shows steps 8-12). An empty history omits the whole history sentence.
-6. Pool processes use the "spawn" start method: a fresh interpreter per worker, safe next to
-   torch, CUDA and threads (fork is not), at the price of ~1-2 s start-up (imports) per worker,
-   paid at construction and at each restart. Workers ignore SIGINT (the parent decides when to
-   stop) and exit when their pipe closes, so a killed parent leaves no workers behind.
-7. Timeouts are per worker message: `step_timeout` bounds one worker's reply to one lock-step
-   (all its episodes); resets, which may load many games, get `reset_timeout` (default 120 s).
-   A timed-out worker is killed (its episodes' states are gone) and replaced at once (a
-   replacement that cannot start within `start_timeout` raises: that is a broken install).
-8. A gamefile that cannot be loaded fails only its own episode: `reset` returns ("", info) with
-   `info["error"]` set and the episode inactive (`pool.active[i]` False, `step` returns None).
-   `None` as the action of an active episode counts as an invalid action (point 3).
-9. `list_games` skips 'movable'/'Sliced' folders like alfworld, judged on the path below the split
-   folder (so a data root whose own path contains "Sliced" still works); a game without a
-   `solvable` key is skipped like alfworld does; a game.tw-pddl that is not valid JSON is an error.
-10. Speed: textworld's grammar re-parses every text template with TatSu at every derivation
-    (each admissible command and each feedback, every step: ~70% of a step). The two parses are
-    pure functions of their strings, so `_install_textgen_memo` memoises them process-wide (deep
-    copies of the symbol lists; the read-only condition Rules as they are): ~3.5x more steps/s
-    with byte-identical texts (the tests replay stored traces and compare random play against an
-    untouched textworld in a subprocess). `envs.MEMO_TEXTGEN = False` before the first reset (or
-    before creating an EnvPool, whose workers inherit it) turns it off.
+Choices the paper leaves open, all **[ours]** (details in the docstring named):
+1. An empty, non-ASCII or over-200-character ALFWorld action (or None) is an invalid action that
+   costs a step and never reaches the engine (`_check_action`): no admissible command looks so.
+2. `parse_action` reads the last closed <action> pair and normalises it; <think> is not checked:
+   the format penalty is about a parsable action only.
+3. Prompts put each observation on one line and number history entries with their real step
+   numbers; the task (question) line stands alone, where skills.py inserts a skill (`build_prompt`).
+4. Each live episode needs its own copy of Fast Downward's library (one global state; 33 MB,
+   ~0.1 s to copy): an AlfWorldEnv keeps its copy for life and pool workers reuse their envs.
+5. Workers are spawned, not forked: safe next to torch, CUDA and threads, at ~1-2 s a worker.
+   They ignore SIGINT and exit when their pipe closes: a killed parent leaves none behind.
+6. A worker that dies or misses its per-message timeout fails only its own episodes and is
+   replaced at once; a game that cannot load fails only its own episode (`EnvPool`).
+7. A search turn is valid only with exactly one <search> or <answer> pair (`split_search_action`);
+   anything else is an invalid turn (the trainer charges p_fmt). Non-ASCII is valid ("Zürich").
+8. The search pool runs in-process (a search step takes milliseconds): one batched retrieval per
+   lock-step under `timeout`; a failed one fails the episodes that searched (`SearchPool`).
+9. Each search turn is a fresh prompt (question + last turns), as for ALFWorld, where Search-R1
+   appends to one growing context (`build_search_prompt`).
 
-Search QA (Search-R1 protocol; section at the end of the file)
-----------------------------------------------------------------
-* Data. `load_qa(path)` reads Search-R1's question files, JSONL or parquet (pyarrow needed):
-  FlashRAG's flat rows (`id`, `question`, `golden_answers`) with `data_source`, or the verl rows
-  that Search-R1's `scripts/data_process/qa_search_{train,test}_merge.py` write (`prompt` whose
-  text ends in "Question: ...", `reward_model.ground_truth.target`, `extra_info.index`). Task ids
-  are "<data_source>:<id>"; the task type comes from the source (`SEARCH_TASK_TYPES`: nq,
-  triviaqa, popqa → single; hotpotqa, 2wikimultihopqa, musique, bamboogle → multi; this
-  project's gen_single / gen_multi). `list_qa(root, split)` reads `<root>/<split>.jsonl|.parquet`.
-  Bad files raise EnvDataError naming the file and the record or line. Fetching the real data
-  (needs internet): the NQ + HotpotQA train set and the merged seven-set test file, as parquet,
-      huggingface-cli download --repo-type dataset PeterJinGo/nq_hotpotqa_train --local-dir data/nq_hotpotqa_train
-  (`data/nq_hotpotqa_train/{train,test}.parquet`; or rebuild them from FlashRAG with Search-R1's
-  `scripts/data_process/qa_search_{train,test}_merge.py`), and for retrieval the E5 index and
-  wiki-18 corpus served by Search-R1's own server (in a clone of PeterGriffinJin/Search-R1:
-  `python scripts/download.py --save_path <dir>`, then `bash retrieval_launch.sh`, port 8000);
-  then `python train.py --env search --data_root data/nq_hotpotqa_train --retriever_url
-  http://127.0.0.1:8000` (`pip install pyarrow` for parquet).
-  The shipped small set is `data/search_qa` (qa_gen.py: a fictional world, 300 train / 100 test
-  questions, 170 passages, gold demonstrations verified against BM25 + this env).
-* Retrievers: `search(queries, k) -> [[{"id", "title", "text", "score"}, ...] per query]`.
-  `BM25Retriever(corpus.jsonl)` (bm25s, index cached next to the corpus, keyed by its content
-  hash) and `HTTPRetriever(url)` (Search-R1 server protocol, `POST /retrieve` with
-  {"queries", "topk", "return_scores"} → {"result": [[{"document": {"id", "contents"}, "score"}]]};
-  timeout, retries with backoff, RetrieverError / RetrieverTimeout naming the URL).
-  `retrieval_server.py` serves a BM25Retriever with that protocol.
-* `SearchEnv(retriever, tasks, max_turns=4, top_k=3)`: `reset(task or id) -> ("", info)`,
-  `step(model_text) -> (obs, reward, done, info)`. `<search> q </search>` → obs
-  `<information> Doc 1 (Title: t) text ... </information>` (top-k, "No results." when no passage
-  shares a word with q); `<answer> a </answer>` ends the episode with reward R_EM = 1.0 when
-  `exact_match` (SQuAD normalisation: lowercase, punctuation and a/an/the removed, whitespace
-  collapsed) holds against any gold answer, else 0; after `max_turns` turns the episode ends
-  (`truncated`). info: won, task_type, task (the question), id, golden_answers, steps, searches,
-  truncated, invalid_action, answer, error, admissible ([]).
-* `build_search_prompt` / `parse_search_action`: the turn prompt (Search-R1's instruction in our
-  words; the question is its own line `Question: ...`, where skills are inserted; history
-  `Turn k: <action>` + result) and the action parser (canonical "<search> q </search>" or None).
-* `SearchPool(retriever, tasks, max_turns, top_k, timeout)`: EnvPool's calls, in-process.
-
-Search choices, all **[ours]**:
-11. Bad input, decided and tested: a turn is valid only with exactly one opening and one closing
-    <search>/<answer> tag, same name, closing after opening: unclosed tags, several actions,
-    mismatched pairs, an empty content, a query over 300 or an answer over 200 characters are
-    invalid turns (obs INVALID_SEARCH_OBS, `invalid_action`, one turn spent; the trainer charges
-    p_fmt). Non-ASCII text is valid (real answers have accents: "Zürich"). An answer before any
-    search is a normal turn and is scored (Search-R1 allows direct answers). Text outside the
-    action (e.g. <think>) is not checked.
-12. The pool runs in-process (a search step is milliseconds). The queries of one lock-step go
-    to the retriever as one batch in a daemon thread bounded by `timeout`; on timeout or
-    RetrieverError every episode that searched in that step ends as failed (done, reward 0,
-    `error`), counted in `stats` (errors, timeouts, retriever_errors); the hung thread is
-    abandoned, never joined. An unknown question id fails only its episode.
-13. Passages with BM25 score 0 are not returned (a query gets at most k, maybe none); BM25
-    tokenisation is bm25s's (lowercase words of 2+ characters, English stopwords, no stemming).
-14. Each turn is a fresh prompt (question + the last `history_len` turns with their results), as
-    for ALFWorld and verl-agent, where Search-R1 appends to one growing context; the history
-    shows at least the last turn (its result is the current observation).
-
-Run `python bench_env.py` for steps/s and `python bench_search.py` for retrieval latency; test with
-`python -m pytest tests/test_envs.py -q` and `python -m pytest tests/test_search.py -q`.
+Test: tests/test_envs.py, tests/test_search.py; speed: scripts/bench_env.py, scripts/bench_search.py.
 """
 
 from __future__ import annotations
 
 import atexit
-import copy
-import functools
-import json
 import multiprocessing as mp
 import os
 import re
 import signal
 import string
-import sys
 import time
 import traceback
 import weakref
-from collections import Counter, OrderedDict, defaultdict
-from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 
-# The six official ALFWorld task types and the short names used in logs and metrics.
-TASK_TYPES: dict[str, str] = {
-    "pick_and_place_simple": "pick",
-    "look_at_obj_in_light": "look",
-    "pick_clean_then_place_in_recep": "clean",
-    "pick_heat_then_place_in_recep": "heat",
-    "pick_cool_then_place_in_recep": "cool",
-    "pick_two_obj_and_place": "pick2",
-}
-TASK_TYPES_LONG: dict[str, str] = {short: long for long, short in TASK_TYPES.items()}
-SHORT_TASK_TYPES: tuple[str, ...] = tuple(TASK_TYPES.values())
+import env_backends
+from env_backends import (EnvDataError, GameCache, RetrieverError, RetrieverTimeout, _engine_class, _Game,
+                          _make_engine, call_with_timeout, process_cache)
 
 R_WIN = 10.0  # reward on the winning step (verl-agent / SEED ALFWorld setting)
 TASK_PREFIX = "Your task is to: "  # the task line of the intro and of the prompt
 NOTHING_HAPPENS = "Nothing happens."  # the engine's answer to a command that is not admissible
 MAX_ACTION_CHARS = 200  # longer action texts are invalid [ours]
-GAME_KEYS = ("pddl_domain", "grammar", "pddl_problem")  # required keys of a game.tw-pddl
-_TEST_SLEEP = "__test_sleep__"  # "__test_sleep__ <seconds>": honoured only with _test_hooks=True
-
-
-class EnvDataError(ValueError):
-    """Missing, empty or malformed game data (the message names the path and the fix)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Game data
-
-
-def _short_type(name: str) -> str:
-    if name in TASK_TYPES:
-        return TASK_TYPES[name]
-    if name in TASK_TYPES_LONG:
-        return name
-    raise EnvDataError(f"unknown ALFWorld task type {name!r}; expected one of "
-                       f"{list(SHORT_TASK_TYPES)} or {list(TASK_TYPES)}")
-
-
-def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise EnvDataError(f"malformed {what} {path}: invalid JSON ({e})") from None
-    except OSError as e:
-        raise EnvDataError(f"cannot read {what} {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise EnvDataError(f"malformed {what} {path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _read_game(path: str) -> dict:
-    """Read a game.tw-pddl and check its required keys."""
-    data = _read_json(path, "game file")
-    missing = [k for k in GAME_KEYS if not isinstance(data.get(k), str)]
-    if missing:
-        raise EnvDataError(f"malformed game file {path}: missing or non-text keys {missing} "
-                           f"(a game.tw-pddl needs {list(GAME_KEYS)})")
-    return data
-
-
-def game_task_type(gamefile: str) -> str:
-    """Short task type of a game, from the traj_data.json beside it (else the folder name)."""
-    traj_path = os.path.join(os.path.dirname(gamefile), "traj_data.json")
-    if os.path.exists(traj_path):
-        task_type = _read_json(traj_path, "traj_data.json").get("task_type")
-        if not isinstance(task_type, str):
-            raise EnvDataError(f"malformed traj_data.json {traj_path}: no 'task_type'")
-        return _short_type(task_type)
-    # Official folder names start with the task type: <task_type>-<Obj>-<Mrecep>-<Recep>-<scene>.
-    folder = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(gamefile))))
-    prefix = folder.split("-", 1)[0]
-    if prefix in TASK_TYPES:
-        return TASK_TYPES[prefix]
-    raise EnvDataError(f"cannot tell the task type of {gamefile}: no traj_data.json beside it and "
-                       f"the folder name {folder!r} does not start with a task type")
-
-
-def list_games(data_root: str, split: str, task_types=None) -> list[str]:
-    """Sorted paths of the solvable games of `split`, optionally only of some task types.
-
-    task_types: None (all) or an iterable of short ('pick') or official ('pick_and_place_simple')
-    names. Raises EnvDataError for a missing data root or split, unknown task types, malformed
-    files, and when no game is found.
-    """
-    wanted = None
-    if task_types is not None:
-        if isinstance(task_types, str):
-            task_types = [task_types]
-        wanted = {_short_type(t) for t in task_types}
-        if not wanted:
-            raise EnvDataError("task_types is empty; pass None for all task types")
-    fix = ("get the official games with `alfworld-download` (then data_root is $ALFWORLD_DATA) or "
-           "generate games with `python alfworld_gen.py --out <data_root>`")
-    if not os.path.isdir(data_root):
-        raise EnvDataError(f"ALFWorld data root {data_root!r} does not exist; {fix}")
-    base = os.path.join(data_root, "json_2.1.1")
-    split_dir = os.path.join(base, split)
-    if not os.path.isdir(split_dir):
-        present = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d))) \
-            if os.path.isdir(base) else []
-        raise EnvDataError(f"no split folder {split_dir!r} (splits present: {present or 'none'}); {fix}")
-    games, skipped = [], Counter()
-    for root, dirs, files in os.walk(split_dir):
-        dirs.sort()
-        if "traj_data.json" not in files:
-            continue
-        rel = os.path.relpath(root, split_dir)
-        if "movable" in rel or "Sliced" in rel:
-            skipped["movable/sliced"] += 1
-            continue
-        game_path = os.path.join(root, "game.tw-pddl")
-        if not os.path.exists(game_path):
-            skipped["no game.tw-pddl"] += 1
-            continue
-        task_type = game_task_type(game_path)
-        if wanted is not None and task_type not in wanted:
-            continue
-        game = _read_game(game_path)
-        if "solvable" not in game:
-            skipped["no 'solvable' key"] += 1
-            continue
-        if not game["solvable"]:
-            skipped["unsolvable"] += 1
-            continue
-        games.append(game_path)
-    if not games:
-        types = sorted(wanted) if wanted else "any"
-        raise EnvDataError(f"no games found in {split_dir!r} (task types: {types}; skipped: "
-                           f"{dict(skipped) or 'none'}); {fix}")
-    return sorted(games)
-
-
-# ---------------------------------------------------------------------------------------------
-# The engine: textworld's PddlEnv, loaded once per game per process
-
-
-@dataclass
-class _Game:
-    """Everything about a game that does not change during an episode (shared, read-only)."""
-    path: str
-    data: dict  # the game.tw-pddl contents
-    logic: object  # textworld.envs.pddl.logic.GameLogic (domain + grammar)
-    entity_infos: dict  # PDDL id -> EntityInfo with alfworld's demangled name ("apple 1")
-    fd_task: object  # Fast Downward's normalised task (actions, types, objects)
-    sas: str  # its SAS translation
-    sas_bytes: bytes  # the same, as loaded into an engine at every reset
-    init_facts: list  # the problem's initial facts as textworld Propositions
-    name2type: dict
-    task_type: str  # short name
-    task: str | None = None  # the task sentence ("put a clean apple in fridge."), set at first start
-
-
-def _load_game(path: str, loader) -> _Game:
-    """Load a game the way alfworld does (PddlEnv + AlfredDemangler) and keep the reusable parts."""
-    data = _read_game(path)
-    task_type = game_task_type(path)
-    argv = sys.argv  # fast_downward.pddl2sas overwrites sys.argv (a hack inside it); restore it
-    try:
-        loader.load(data)  # AlfredDemangler.load: GameLogic, PddlState (translation), names
-    except Exception as e:
-        raise EnvDataError(f"cannot load game {path}: {type(e).__name__}: {e}") from e
-    finally:
-        sys.argv = argv
-    env = loader.unwrapped
-    pddl_state = env._pddl_state
-    init_facts = [fact for fact in (_atom2proposition(atom, pddl_state.name2type)
-                                    for atom in pddl_state.task.init) if fact is not None]
-    return _Game(path=path, data=data, logic=env._logic, entity_infos=dict(env._entity_infos),
-                 fd_task=pddl_state.task, sas=pddl_state.sas, sas_bytes=pddl_state.sas.encode("utf-8"),
-                 init_facts=init_facts, name2type=dict(pddl_state.name2type), task_type=task_type)
 
 
 def task_from_intro(intro: str) -> str:
@@ -342,178 +72,17 @@ def task_from_intro(intro: str) -> str:
     return " ".join(intro.rsplit(TASK_PREFIX, 1)[1].split())
 
 
-def _atom2proposition(atom, name2type):
-    """Initial fact of the problem as a Proposition (textworld's PddlState.__init__, verbatim logic)."""
-    import fast_downward
-    from textworld.logic import Proposition, Variable
-    if isinstance(atom, fast_downward.translate.pddl.conditions.Atom):
-        if atom.predicate == "=":
-            return None
-        return Proposition(atom.predicate, [Variable(arg, name2type[arg]) for arg in atom.args])
-    if isinstance(atom, fast_downward.translate.pddl.f_expression.Assign):
-        if atom.fluent.symbol == "total-cost":
-            return None
-        name = "{}".format(atom.expression.value)
-        if str.isdigit(name):  # distance relations
-            return None
-        return Proposition(name, [Variable(arg, name2type[arg]) for arg in atom.fluent.args])
-    return None
-
-
-class GameCache:
-    """Per-process LRU cache of loaded games (point 1 of the docstring). Not thread-safe."""
-
-    def __init__(self, capacity: int = 64):
-        if capacity < 1:
-            raise ValueError(f"GameCache capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._games: OrderedDict[str, _Game] = OrderedDict()
-        self._loader = None
-        self.hits = self.misses = 0
-
-    def get(self, gamefile: str) -> _Game:
-        key = os.path.abspath(gamefile)
-        game = self._games.get(key)
-        if game is not None:
-            self.hits += 1
-            self._games.move_to_end(key)
-            return game
-        self.misses += 1
-        if not os.path.isfile(key):
-            raise EnvDataError(f"game file {gamefile!r} does not exist")
-        if self._loader is None:
-            self._loader = _make_loader()
-        game = _load_game(key, self._loader)
-        self._games[key] = game
-        while len(self._games) > self.capacity:
-            self._games.popitem(last=False)
-        return game
-
-    def __len__(self) -> int:
-        return len(self._games)
-
-    def __contains__(self, gamefile: str) -> bool:
-        return os.path.abspath(gamefile) in self._games
-
-
-_PROCESS_CACHE: GameCache | None = None
-
-
-def process_cache() -> GameCache:
-    """The game cache shared by the AlfWorldEnvs of this process that were given none."""
-    global _PROCESS_CACHE
-    if _PROCESS_CACHE is None:
-        _PROCESS_CACHE = GameCache()
-    return _PROCESS_CACHE
-
-
-def _env_infos():
-    import textworld
-    return textworld.EnvInfos(admissible_commands=True, won=True, facts=False)
-
-
-def _make_loader():
-    _engine_class()  # installs the template memo before the first grammar derivation
-    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
-    from textworld.envs.pddl import PddlEnv
-    return AlfredDemangler(PddlEnv(_env_infos()))
-
-
-MEMO_TEXTGEN = True  # memoise textworld's template parsing (docstring point 10) [ours]
-
-
-def _install_textgen_memo() -> None:
-    """Process-wide: make textworld's grammar parse each template/condition string only once.
-
-    `ContextSensitiveGrammar.derive` re-parses its start string with TatSu and `replace`/`query`
-    re-parse condition strings at every call (each admissible command, each feedback, every step).
-    Both parses are pure functions of the string: keep the results, hand out deep copies of the
-    symbol lists (derive mutates them) and the Rule itself (read-only)."""
-    from textworld.envs.pddl import textgen
-    if not MEMO_TEXTGEN or getattr(textgen, "_rsipo_memo", False):
-        return
-    parse, base_rule = textgen._parse_and_convert, textgen.Rule
-    symbols_memo: dict[str, list] = {}
-    query_memo: dict[str, object] = {}
-
-    def parse_memo(text, rule_name=None, trace=False, **kwargs):
-        if rule_name != "symbols" or trace or kwargs or not isinstance(text, str):
-            return parse(text, rule_name=rule_name, trace=trace, **kwargs)
-        if text not in symbols_memo:
-            symbols_memo[text] = parse(text, rule_name="symbols")
-        return copy.deepcopy(symbols_memo[text])
-
-    class MemoRule(base_rule):
-        @classmethod
-        def parse_conjunctive_query(cls, expr):
-            rule = query_memo.get(expr)
-            if rule is None:
-                rule = query_memo[expr] = base_rule.parse_conjunctive_query(expr)
-            return rule
-
-    textgen._parse_and_convert, textgen.Rule, textgen._rsipo_memo = parse_memo, MemoRule, True
-
-
-@functools.cache
-def _engine_class():
-    """textworld's PddlEnv taught to start episodes of cached games (built on first use, so that
-    importing this module does not import textworld)."""
-    from textworld.core import GameState
-    from textworld.envs.pddl import PddlEnv
-    from textworld.envs.pddl import logic as pddl_logic
-    _install_textgen_memo()
-
-    class CachedPddlState(pddl_logic.PddlState):
-        """textworld 1.7's PddlState.__init__ minus the two PDDL->SAS translations."""
-
-        def __init__(self, downward_lib, game: _Game):  # super().__init__ would translate again
-            self._facts = defaultdict(set)
-            self._vars_by_name = {}
-            self._vars_by_type = defaultdict(set)
-            self._var_counts = Counter()
-            self._logic = game.logic
-            self.downward_lib = downward_lib
-            self.pddl_problem = game.data["pddl_problem"]
-            self.task, self.sas = game.fd_task, game.sas
-            self._actions = {a.name: a for a in self.task.actions}
-            self.downward_lib.load_sas(game.sas_bytes)  # this engine's library now holds the state
-            self.name2type = dict(game.name2type)
-            self.add_facts(game.init_facts)
-            atoms = (pddl_logic.Atom * self.downward_lib.get_state_size())()
-            self.downward_lib.get_state(atoms)
-            facts = [atom.get_fact(self.name2type) for atom in atoms]
-            self.add_facts([fact for fact in facts if not fact.is_negation])
-
-    class Engine(PddlEnv):
-        """One PddlEnv = one private copy of Fast Downward's library = one live game state."""
-
-        def start(self, game: _Game):
-            """PddlEnv.load + PddlEnv.reset for a cached game (same state, same texts)."""
-            self._game_file, self._game_data = game.path, game.data
-            self.walkthrough = game.data.get("walkthrough")
-            self._logic, self._entity_infos = game.logic, game.entity_infos
-            self._pddl_state = CachedPddlState(self.downward_lib, game)
-            self.prev_state, self.state, self._last_action, self._moves = None, GameState(), None, 0
-            context = {"state": self._pddl_state, "facts": list(self._pddl_state.facts),
-                       "variables": {}, "mapping": {}, "entity_infos": self._entity_infos}
-            self.state.feedback = self._logic.grammar.derive("#intro#", context)
-            self.state.raw = self.state.feedback
-            self._gather_infos()
-            return self.state
-
-    return Engine
-
-
-def _make_engine():
-    return _engine_class()(_env_infos())
-
-
 # ---------------------------------------------------------------------------------------------
 # One episode at a time
 
 
 def _check_action(action) -> str | None:
-    """The action text to send to the engine, or None when it is invalid (docstring point 3)."""
+    """The action text to send to the engine, or None when it is invalid (choice 1).
+
+    The text is stripped; an empty, non-ASCII or over-MAX_ACTION_CHARS action (or None) is invalid:
+    AlfWorldEnv.step answers "Nothing happens." without calling the engine, sets
+    `info["invalid_action"]`, and counts the step. Otherwise the text goes to the engine as is (it
+    matches exact, lowercase commands; `parse_action` already normalises)."""
     if not isinstance(action, str):
         return None
     action = action.strip()
@@ -523,10 +92,21 @@ def _check_action(action) -> str | None:
 
 
 class AlfWorldEnv:
-    """One ALFWorld episode at a time on the real engine (textworld PddlEnv + AlfredDemangler).
+    """One ALFWorld episode at a time on the real engine (env_backends: textworld's PddlEnv, loaded
+    through alfworld's AlfredDemangler). reset(gamefile) -> (obs, info); step(action) -> (obs,
+    reward, done, info).
 
+    The first observation is the game's intro, ending in "Your task is to: ..."; it is the same
+    string every time for the same game. Reward is R_WIN on the step that wins, else 0; `done` when
+    won or after `max_steps` steps (`info["truncated"]`). A command that is not admissible goes to
+    the engine, which answers "Nothing happens."; an invalid action (`_check_action`) does not.
+    `info`: won, task_type (short), task (the task sentence as the intro states it, with its period:
+    "put a clean apple in fridge.", `task_from_intro`), admissible (sorted, without "help"),
+    gamefile (absolute), steps, truncated, invalid_action, error (None).
     max_steps: the episode ends (info["truncated"]) after this many steps without a win.
     cache: where loaded games are kept; None shares the process-wide `process_cache()`.
+    The engine (a private copy of Fast Downward's library) is made at the first reset and kept for
+    the env's lifetime (choice 4).
     """
 
     def __init__(self, max_steps: int = 50, cache: GameCache | None = None):
@@ -591,19 +171,9 @@ class AlfWorldEnv:
 # ---------------------------------------------------------------------------------------------
 # Prompt and action parsing (pure functions)
 
-_PROMPT_HEAD = "You are an expert agent operating in the ALFRED embodied environment."
-_PROMPT_TAIL = ("Now it's your turn to take an action. First reason inside <think> </think>, "
-                "then give exactly one action inside <action> </action>.")
-# The fixed texts of the ALFWorld turn prompt (`build_prompt`) and of the engine's intro, verbatim.
-# [ours] The tiny preset's tokenizer makes each one a single token (train.train_tiny_tokenizer): they
-# carry no information, and as words they were a third of every prompt's tokens. Kept in sync with
-# the template by tests/test_train.py (each phrase occurs in a built prompt).
-PROMPT_PHRASES = (_PROMPT_HEAD, TASK_PREFIX.strip(), "Prior to this step, you have already taken",
-                  "step(s). Below are the most recent", "observations and the corresponding actions you took:",
-                  "You are now at step", "and your current observation is:",
-                  "Your admissible actions of the current situation are:", "', '", _PROMPT_TAIL,
-                  "-= Welcome to TextWorld, ALFRED! =-",
-                  "You are in the middle of a room. Looking quickly around you, you see")
+PROMPT_HEAD = "You are an expert agent operating in the ALFRED embodied environment."
+PROMPT_TAIL = ("Now it's your turn to take an action. First reason inside <think> </think>, "
+               "then give exactly one action inside <action> </action>.")
 
 
 def _one_line(text) -> str:
@@ -612,12 +182,17 @@ def _one_line(text) -> str:
 
 def build_prompt(task: str, obs: str, admissible, history, history_len: int = 5,
                  with_admissible: bool = True) -> str:
-    """The turn prompt. history: all (observation, action) pairs of the episode so far, oldest
-    first; the last `history_len` are shown, numbered with their real step numbers."""
+    """The ALFWorld turn prompt (the verl-agent/GiGPO template in our words).
+
+    history: all (observation, action) pairs of the episode so far, oldest first; the last
+    `history_len` are shown, one line each, numbered with their real step numbers (with
+    history_len 5 and 12 steps taken, the block shows steps 8-12); an empty history omits the
+    whole history sentence. Every observation's whitespace is collapsed to one line. The task is
+    its own line, `Your task is to: <task>`, so that skills.py can insert a skill right after it."""
     history = list(history)
     n = len(history)
     shown = history[n - history_len:] if history_len > 0 else []
-    lines = [_PROMPT_HEAD, TASK_PREFIX + _one_line(task)]
+    lines = [PROMPT_HEAD, TASK_PREFIX + _one_line(task)]
     if shown:
         first = n - len(shown) + 1
         lines.append(f"Prior to this step, you have already taken {n} step(s). Below are the most "
@@ -628,7 +203,7 @@ def build_prompt(task: str, obs: str, admissible, history, history_len: int = 5,
     if with_admissible:
         actions = ", ".join(f"'{a}'" for a in admissible)
         lines.append(f"Your admissible actions of the current situation are: [{actions}].")
-    lines.append(_PROMPT_TAIL)
+    lines.append(PROMPT_TAIL)
     return "\n".join(lines)
 
 
@@ -637,7 +212,12 @@ _ACTION_RE = re.compile(r"<action>((?:(?!<action>).)*?)</action>", re.IGNORECASE
 
 
 def parse_action(text: str) -> str | None:
-    """The last well-formed <action>...</action> of a model output, normalised, or None."""
+    """The last well-formed <action>...</action> of a model output, normalised, or None (choice 2).
+
+    Takes the content of the last complete pair (tags case-insensitive and exact, no spaces inside
+    the tag), strips it, collapses runs of spaces and tabs, lowercases it; None when there is no
+    closed pair, or the action is empty, over MAX_ACTION_CHARS, non-ASCII or spans lines. The
+    <think> block is optional and not checked."""
     if not isinstance(text, str):
         return None
     found = _ACTION_RE.findall(text)
@@ -656,11 +236,12 @@ def parse_action(text: str) -> str | None:
 # Worker pool
 
 
-def _worker_main(conn, max_steps: int, test_hooks: bool, memo_textgen: bool) -> None:
-    """Worker process: owns AlfWorldEnvs (one per live episode, reused) and one game cache."""
-    global MEMO_TEXTGEN
+def _worker_main(conn, env_class: type[AlfWorldEnv], max_steps: int, memo_textgen: bool) -> None:
+    """Worker process: owns envs of `env_class` (one per live episode, reused across episodes, so
+    the worker holds as many engines as its largest batch of concurrent episodes) and one game
+    cache."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    MEMO_TEXTGEN = memo_textgen
+    env_backends.MEMO_TEXTGEN = memo_textgen
     _engine_class()  # import textworld/alfworld now, so that start-up is not billed to a reset
     import alfworld.agents.environment.alfred_tw_env  # noqa: F401
     cache = GameCache()
@@ -684,7 +265,7 @@ def _worker_main(conn, max_steps: int, test_hooks: bool, memo_textgen: bool) -> 
             free.extend(live.values())
             live.clear()
             for slot, gamefile in payload:
-                env = free.pop() if free else AlfWorldEnv(max_steps, cache=cache)
+                env = free.pop() if free else env_class(max_steps, cache=cache)
                 try:
                     out.append((slot, env.reset(gamefile), None))
                     live[slot] = env
@@ -698,8 +279,6 @@ def _worker_main(conn, max_steps: int, test_hooks: bool, memo_textgen: bool) -> 
                     out.append((slot, None, "no such episode in this worker"))
                     continue
                 try:
-                    if test_hooks and isinstance(action, str) and action.startswith(_TEST_SLEEP):
-                        time.sleep(float(action.split()[1]))
                     result = env.step(action)
                     out.append((slot, result, None))
                     if result[2]:
@@ -712,9 +291,10 @@ def _worker_main(conn, max_steps: int, test_hooks: bool, memo_textgen: bool) -> 
 
 
 class _Worker:
-    def __init__(self, ctx, max_steps: int, test_hooks: bool):
+    def __init__(self, ctx, env_class: type[AlfWorldEnv], max_steps: int):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, max_steps, test_hooks, MEMO_TEXTGEN),
+        self.proc = ctx.Process(target=_worker_main,
+                                args=(child, env_class, max_steps, env_backends.MEMO_TEXTGEN),
                                 daemon=True, name="rsipo-env-worker")
         self.proc.start()
         child.close()
@@ -742,9 +322,25 @@ def _close_live_pools() -> None:
 class EnvPool:
     """Episodes of AlfWorldEnv stepped in lock-step by `num_workers` worker processes.
 
-    Episode i of a batch runs in worker i % num_workers (`pids[w]` is worker w's process id).
-    `stats`: errors (failed episodes), crashes, timeouts, restarts.
-    _test_hooks: tests only; a worker then sleeps on the action "__test_sleep__ <seconds>".
+    `reset(gamefiles)` starts one episode per entry, each in its own env inside a worker: episode i
+    of a batch runs in worker i % num_workers (`pids[w]` is worker w's process id); the same game
+    may appear many times, each copy with its own engine state. `step(actions)` advances every
+    active episode by one action, one message per worker, and returns None for episodes that are
+    over; `None` as the action of an active episode is an invalid action (`_check_action`).
+    Failures (choice 6), each counted in `stats` (errors = failed episodes, crashes, timeouts,
+    restarts), and the caller goes on:
+    * a worker that dies, or does not answer a step within `step_timeout` (a reset, which may load
+      many games, within `reset_timeout`), ends its active episodes as failed (done, reward 0, won
+      False, `info["error"]` "worker crashed" / "timeout") and is killed (its episodes' states are
+      gone) and replaced at once; a replacement that cannot start within `start_timeout` raises:
+      that is a broken install;
+    * a gamefile that cannot be loaded fails only its own episode: `reset` returns ("", info) with
+      `info["error"]` set, and the episode is inactive (`active[i]` False, `step` returns None).
+    Workers are spawned (choice 5): each start, at construction and at each restart, costs ~1-2 s
+    of imports. `close()` (or `with EnvPool(...) as pool:`) stops them.
+    env_class: the env each worker runs an episode in, called as `env_class(max_steps, cache=...)`:
+    AlfWorldEnv or a subclass of it (another reward, extra logging, a test double). Workers are
+    spawned, so it travels by name: define it at the top level of an importable module.
     """
 
     # What `rollout.run_episodes` takes from an env family (SearchPool has the search ones).
@@ -755,12 +351,13 @@ class EnvPool:
     parse_action = staticmethod(parse_action)
 
     def __init__(self, num_workers: int = 2, max_steps: int = 50, step_timeout: float = 30.0,
-                 reset_timeout: float = 120.0, start_timeout: float = 120.0, _test_hooks: bool = False):
+                 reset_timeout: float = 120.0, start_timeout: float = 120.0,
+                 env_class: type[AlfWorldEnv] = AlfWorldEnv):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.num_workers, self.max_steps = num_workers, max_steps
         self.step_timeout, self.reset_timeout, self.start_timeout = step_timeout, reset_timeout, start_timeout
-        self._test_hooks = _test_hooks
+        self.env_class = env_class
         self._ctx = mp.get_context("spawn")
         self.stats = {"errors": 0, "crashes": 0, "timeouts": 0, "restarts": 0}
         self._closed = False
@@ -777,7 +374,7 @@ class EnvPool:
 
     # -- worker management
     def _start_worker(self) -> _Worker:
-        return _Worker(self._ctx, self.max_steps, self._test_hooks)
+        return _Worker(self._ctx, self.env_class, self.max_steps)
 
     def _wait_ready(self, workers: list[_Worker]) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -942,16 +539,8 @@ class EnvPool:
 
 
 # =============================================================================================
-# Search QA (Search-R1 protocol): data, retrievers, the env and its in-process pool
+# Search QA (Search-R1 protocol): the env, its prompt and parser, its in-process pool
 
-# Task type of a question from the data set it comes from (DESIGN §2: single-hop / multi-hop).
-# gen_single / gen_multi are this project's generated set (qa_gen.py).
-SEARCH_TASK_TYPES: dict[str, str] = {
-    "nq": "single", "triviaqa": "single", "popqa": "single", "gen_single": "single",
-    "hotpotqa": "multi", "2wikimultihopqa": "multi", "musique": "multi", "bamboogle": "multi",
-    "gen_multi": "multi",
-}
-SEARCH_TYPES: tuple[str, ...] = ("single", "multi")
 QUESTION_PREFIX = "Question: "  # the task line of a search prompt (skills are inserted after it)
 R_EM = 1.0  # reward of an exactly matching answer
 MAX_QUERY_CHARS = 300  # longer queries are invalid turns [ours]
@@ -960,14 +549,6 @@ SEARCH_STOP_TEXTS = ("</search>", "</answer>")  # generation stops after the fir
 INVALID_SEARCH_OBS = ("Invalid turn: give exactly one <search> query </search> or one "
                       "<answer> answer </answer>.")
 NO_RESULTS = "No results."
-
-
-class RetrieverError(RuntimeError):
-    """The retriever could not answer (server down, bad reply); the message names the URL/path."""
-
-
-class RetrieverTimeout(RetrieverError):
-    """The retriever did not answer within its time limit."""
 
 
 # -- answers
@@ -998,12 +579,15 @@ _SEARCH_TAG_RE = re.compile(r"<(/?)(search|answer)>", re.IGNORECASE)
 
 
 def split_search_action(text) -> tuple[str, str] | None:
-    """("search" | "answer", content) of a model output, or None when the turn is invalid.
+    """("search" | "answer", content) of a model output, or None when the turn is invalid (choice 7).
 
     Valid: exactly one opening and one closing tag in total over <search>/<answer>, the closing
     after the opening and of the same name; the content, whitespace collapsed, is non-empty and
-    within MAX_QUERY_CHARS (search) / MAX_ANSWER_CHARS (answer). Everything outside the pair
-    (e.g. <think>) is ignored. Non-ASCII content is valid.
+    within MAX_QUERY_CHARS (search) / MAX_ANSWER_CHARS (answer). So unclosed tags, several actions,
+    mismatched pairs, an empty content and over-long text are invalid turns (SearchEnv answers
+    INVALID_SEARCH_OBS, sets `invalid_action`, and the turn is spent). Everything outside the pair
+    (e.g. <think>) is ignored. Non-ASCII content is valid (real answers have accents: "Zürich").
+    An answer before any search is a valid turn and is scored (Search-R1 allows direct answers).
     """
     if not isinstance(text, str):
         return None
@@ -1036,26 +620,26 @@ def format_passages(passages: list[dict]) -> str:
     return "<information> " + "\n".join(docs) + " </information>"
 
 
-_SEARCH_HEAD = ("Answer the question. Reason inside <think> </think> first. When you lack knowledge, "
+SEARCH_HEAD = ("Answer the question. Reason inside <think> </think> first. When you lack knowledge, "
                 "search with <search> query </search>; the top results come back inside "
                 "<information> </information>. You may search several times. When you know the "
                 "answer, give only the answer inside <answer> </answer>, for example "
                 "<answer> Paris </answer>.")
-SEARCH_PHRASES = (_SEARCH_HEAD, "earlier turn(s) not shown)")   # as PROMPT_PHRASES, for `build_search_prompt`
 
 
 def build_search_prompt(question: str, obs: str, admissible=None, history=(), history_len: int = 4) -> str:
-    """The turn prompt of the search env (Search-R1's template in our words).
+    """The turn prompt of the search env (Search-R1's instruction in our words).
 
-    history: all (observation, action) pairs so far, oldest first; obs: the result of the last
-    action. Turn k is shown as `Turn k: <action>` followed by its result; the last
-    max(history_len, 1) turns are shown (the latest result is always visible). `admissible` is
-    accepted for the common interface and ignored.
+    The question is its own line, `Question: ...`, where skills are inserted. history: all
+    (observation, action) pairs so far, oldest first; obs: the result of the last action. Turn k
+    is shown as `Turn k: <action>` followed by its result; the last max(history_len, 1) turns are
+    shown (the latest result is always visible). Each turn is a fresh prompt (choice 9).
+    `admissible` is accepted for the common interface and ignored.
     """
     history = list(history)
     n = len(history)
     start = max(0, n - max(history_len, 1))
-    lines = [_SEARCH_HEAD, QUESTION_PREFIX + _one_line(question)]
+    lines = [SEARCH_HEAD, QUESTION_PREFIX + _one_line(question)]
     if start:
         lines.append(f"({start} earlier turn(s) not shown)")
     for j in range(start, n):
@@ -1066,303 +650,22 @@ def build_search_prompt(question: str, obs: str, admissible=None, history=(), hi
     return "\n".join(lines)
 
 
-# -- data
-
-
-def _read_jsonl(path: str, what: str) -> list[dict]:
-    if not os.path.isfile(path):
-        raise EnvDataError(f"{what} {path!r} does not exist")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EnvDataError(f"malformed {what} {path}:{n}: invalid JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise EnvDataError(f"malformed {what} {path}:{n}: expected a JSON object")
-            rows.append(row)
-    if not rows:
-        raise EnvDataError(f"{what} {path!r} is empty")
-    return rows
-
-
-def load_corpus(path: str) -> list[dict]:
-    """Passages of a JSONL corpus: one {"id", "title", "text"} object a line (ids unique)."""
-    rows = _read_jsonl(path, "corpus")
-    seen: set[str] = set()
-    out = []
-    for n, row in enumerate(rows, 1):
-        if not isinstance(row.get("id"), (str, int)) or not all(isinstance(row.get(k), str) for k in ("title", "text")):
-            raise EnvDataError(f"malformed corpus {path}: passage {n} needs 'id' (text or number), "
-                               f"'title' and 'text' (text), got keys {sorted(row)}")
-        pid = str(row["id"])
-        if pid in seen:
-            raise EnvDataError(f"malformed corpus {path}: passage {n} repeats id {pid!r}")
-        seen.add(pid)
-        out.append({"id": pid, "title": row["title"], "text": row["text"]})
-    return out
-
-
-def _qa_record(row: dict, where: str, index: int) -> dict:
-    """One question in the Search-R1 layout → {id, question, golden_answers, data_source, task_type[, demo]}."""
-    question = row.get("question")
-    if not isinstance(question, str):  # verl layout: the question is at the end of the prompt
-        prompt = row.get("prompt")
-        content = prompt[0].get("content") if isinstance(prompt, (list, tuple)) and prompt and \
-            isinstance(prompt[0], dict) else None
-        if isinstance(content, str) and "Question:" in content:
-            question = content.rsplit("Question:", 1)[1]
-    golds = row.get("golden_answers")
-    if golds is None:
-        golds = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
-    if isinstance(golds, str):
-        golds = [golds]
-    golds = [str(g) for g in golds] if golds is not None and not isinstance(golds, dict) else None
-    source = row.get("data_source")
-    if not isinstance(question, str) or not question.strip():
-        raise EnvDataError(f"malformed QA file {where}: record {index} has no 'question'")
-    if not golds:
-        raise EnvDataError(f"malformed QA file {where}: record {index} has no 'golden_answers' "
-                           f"(nor reward_model.ground_truth.target)")
-    if source not in SEARCH_TASK_TYPES:
-        raise EnvDataError(f"malformed QA file {where}: record {index} has data_source {source!r}; "
-                           f"known sources: {sorted(SEARCH_TASK_TYPES)}")
-    raw_id = row.get("id")
-    if raw_id is None:
-        raw_id = (row.get("extra_info") or {}).get("index", index - 1)
-    rec = {"id": f"{source}:{raw_id}", "question": " ".join(question.split()), "golden_answers": golds,
-           "data_source": source, "task_type": SEARCH_TASK_TYPES[source]}
-    if isinstance(row.get("demo"), dict):
-        rec["demo"] = row["demo"]
-    return rec
-
-
-def load_qa(path: str) -> list[dict]:
-    """Questions of a Search-R1 data file (.jsonl, or .parquet with pyarrow installed).
-
-    Accepted fields: `question` (or the verl `prompt`, whose text ends with "Question: ..."),
-    `golden_answers` (or `reward_model.ground_truth.target`), `data_source` (one of
-    SEARCH_TASK_TYPES), optional `id` (else `extra_info.index`, else the position) and our `demo`.
-    Task ids are "<data_source>:<id>" (the merged Search-R1 test file reuses ids across sources).
-    """
-    if path.endswith(".parquet"):
-        if not os.path.isfile(path):
-            raise EnvDataError(f"QA file {path!r} does not exist")
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise EnvDataError(f"reading {path} needs pyarrow (`pip install pyarrow`), or convert it to "
-                               f"JSONL first") from None
-        rows = pq.read_table(path).to_pylist()
-        if not rows:
-            raise EnvDataError(f"QA file {path!r} is empty")
-    else:
-        rows = _read_jsonl(path, "QA file")
-    out = [_qa_record(row, path, n) for n, row in enumerate(rows, 1)]
-    ids = Counter(r["id"] for r in out)
-    dup = [i for i, c in ids.items() if c > 1]
-    if dup:
-        raise EnvDataError(f"malformed QA file {path}: repeated ids {dup[:5]}")
-    return out
-
-
-def list_qa(data_root: str, split: str, task_types=None) -> list[dict]:
-    """Questions of `<data_root>/<split>.jsonl` (or `.parquet`), optionally only 'single'/'multi'."""
-    fix = ("generate the small set with `python qa_gen.py --out <data_root>` or fetch Search-R1's "
-           "data (see the envs.py docstring)")
-    paths = [os.path.join(data_root, f"{split}.{ext}") for ext in ("jsonl", "parquet")]
-    path = next((p for p in paths if os.path.isfile(p)), None)
-    if path is None:
-        raise EnvDataError(f"no QA split file {paths[0]!r} (nor .parquet); {fix}")
-    rows = load_qa(path)
-    if task_types is not None:
-        wanted = {task_types} if isinstance(task_types, str) else set(task_types)
-        bad = wanted - set(SEARCH_TYPES)
-        if bad or not wanted:
-            raise EnvDataError(f"unknown search task types {sorted(bad) or '(none)'}; expected {list(SEARCH_TYPES)}")
-        rows = [r for r in rows if r["task_type"] in wanted]
-        if not rows:
-            raise EnvDataError(f"no questions of types {sorted(wanted)} in {path!r}")
-    return rows
-
-
-# -- retrievers: search(queries, k) -> one list of passage dicts {id, title, text, score} per query
-
-
-def _contents_to_passage(doc: dict, score) -> dict:
-    """A Search-R1 server document ({"id", "contents": '"Title"\\ntext'}) as a passage dict."""
-    if "contents" in doc:
-        title, _, text = str(doc["contents"]).partition("\n")
-        title = title.strip().strip('"')
-    else:
-        title, text = str(doc.get("title", "")), str(doc.get("text", ""))
-    return {"id": str(doc.get("id", "")), "title": title, "text": text.strip(),
-            "score": float(score) if score is not None else None}
-
-
-class BM25Retriever:
-    """In-process BM25 (the `bm25s` package) over a JSONL corpus of {"id", "title", "text"}.
-
-    The index of `title + text` (lowercased words of 2+ characters, English stopwords removed) is
-    built once and saved next to the corpus in `.bm25_<corpus name>_<content hash>/`; a later
-    retriever over the same bytes loads it (`from_cache` tells which happened). Passages with a
-    zero score (no query word in them) are not returned, so a query may get fewer than k.
-    """
-
-    def __init__(self, corpus_path: str, cache: bool = True):
-        import hashlib
-        import bm25s
-        self.corpus_path = corpus_path
-        self.passages = load_corpus(corpus_path)
-        with open(corpus_path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
-        stem = os.path.splitext(os.path.basename(corpus_path))[0]
-        self.cache_dir = os.path.join(os.path.dirname(os.path.abspath(corpus_path)), f".bm25_{stem}_{digest}")
-        self.from_cache = False
-        if cache and os.path.isfile(os.path.join(self.cache_dir, "params.index.json")):
-            self.index = bm25s.BM25.load(self.cache_dir, show_progress=False)
-            self.from_cache = True
-        else:
-            texts = [p["title"] + " " + p["text"] for p in self.passages]
-            self.index = bm25s.BM25()
-            self.index.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
-            if cache:  # written to a temp folder, then renamed: a crash leaves no half index
-                tmp = f"{self.cache_dir}.tmp{os.getpid()}"
-                self.index.save(tmp, show_progress=False)
-                try:
-                    os.replace(tmp, self.cache_dir)
-                except OSError:  # another process saved it first
-                    import shutil
-                    shutil.rmtree(tmp, ignore_errors=True)
-
-    def search(self, queries: list[str], k: int = 3) -> list[list[dict]]:
-        import bm25s
-        if not queries:
-            return []
-        k = min(k, len(self.passages))
-        tokens = bm25s.tokenize(list(queries), stopwords="en", return_ids=False, show_progress=False)
-        docs, scores = self.index.retrieve(tokens, k=k, show_progress=False, n_threads=1)
-        out = []
-        for row_d, row_s in zip(docs.tolist(), scores.tolist()):
-            out.append([dict(self.passages[d], score=float(s)) for d, s in zip(row_d, row_s) if s > 0])
-        return out
-
-
-class HTTPRetriever:
-    """Client of a Search-R1 retrieval server: POST <url> with {"queries", "topk", "return_scores"},
-    reply {"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]} (documents without
-    scores are accepted too). `url` is the server's base or its /retrieve address.
-
-    Each try waits at most `timeout` s; connection errors, timeouts and HTTP 5xx are retried
-    `retries` times with exponential backoff (backoff, 2·backoff, ...); HTTP 4xx and malformed
-    replies fail at once. Failure raises RetrieverTimeout / RetrieverError naming the URL.
-    Loopback addresses bypass any HTTP proxy from the environment.
-    """
-
-    def __init__(self, url: str, timeout: float = 10.0, retries: int = 2, backoff: float = 0.5):
-        import urllib.parse
-        import urllib.request
-        url = url.rstrip("/")
-        self.url = url if url.endswith("/retrieve") else url + "/retrieve"
-        self.timeout, self.retries, self.backoff = timeout, retries, backoff
-        host = urllib.parse.urlsplit(self.url).hostname or ""
-        handlers = [urllib.request.ProxyHandler({})] if host in ("localhost", "127.0.0.1", "::1") else []
-        self._opener = urllib.request.build_opener(*handlers)
-
-    def search(self, queries: list[str], k: int = 3) -> list[list[dict]]:
-        import socket
-        import urllib.error
-        import urllib.request
-        if not queries:
-            return []
-        body = json.dumps({"queries": list(queries), "topk": int(k), "return_scores": True}).encode("utf-8")
-        last, timed_out = None, False
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            req = urllib.request.Request(self.url, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with self._opener.open(req, timeout=self.timeout) as resp:
-                    raw = resp.read()
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:200].decode("utf-8", "replace")
-                if e.code < 500:
-                    raise RetrieverError(f"retrieval server {self.url} answered HTTP {e.code}: {detail}") from None
-                last, timed_out = f"HTTP {e.code}: {detail}", False
-                continue
-            except (socket.timeout, TimeoutError) as e:
-                last, timed_out = f"no reply within {self.timeout}s ({e})", True
-                continue
-            except urllib.error.URLError as e:
-                timed_out = isinstance(e.reason, (socket.timeout, TimeoutError))
-                last = f"no reply within {self.timeout}s" if timed_out else str(e.reason)
-                continue
-            except (ConnectionError, OSError) as e:
-                last, timed_out = f"{type(e).__name__}: {e}", False
-                continue
-            return self._parse(raw, len(queries))
-        cls = RetrieverTimeout if timed_out else RetrieverError
-        raise cls(f"retrieval server {self.url} failed after {self.retries + 1} tries: {last}. Is it "
-                  f"running? (`python retrieval_server.py --corpus <corpus.jsonl> --port <port>`, or "
-                  f"Search-R1's own server)")
-
-    def _parse(self, raw: bytes, n: int) -> list[list[dict]]:
-        try:
-            result = json.loads(raw)["result"]
-            if not isinstance(result, list) or len(result) != n:
-                raise ValueError(f"expected {n} result lists, got {type(result).__name__} "
-                                 f"of length {len(result) if isinstance(result, list) else '-'}")
-            out = []
-            for hits in result:
-                row = []
-                for h in hits:
-                    doc = h["document"] if "document" in h else h
-                    row.append(_contents_to_passage(doc, h.get("score")))
-                out.append(row)
-            return out
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise RetrieverError(f"retrieval server {self.url} sent a malformed reply: {e}; "
-                                 f"starts {raw[:200]!r}") from None
-
-
-def call_with_timeout(fn, timeout: float):
-    """fn() in a daemon thread; RetrieverTimeout after `timeout` s (the thread is abandoned, never
-    joined, so a hung retriever cannot hang the caller or block interpreter exit)."""
-    import threading
-    box: dict = {}
-
-    def run():
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["err"] = e
-
-    t = threading.Thread(target=run, daemon=True, name="rsipo-retrieval")
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise RetrieverTimeout(f"the retriever did not answer within {timeout}s")
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
 # -- the env
 
 
 class SearchEnv:
     """One search episode at a time: reset(task) -> (obs, info); step(text) -> (obs, reward, done, info).
 
-    task: a question record (`load_qa`) or its id in `tasks`. The first observation is "" (nothing
-    searched yet). Every step is one turn: a valid search returns `format_passages` of the top
-    `top_k` passages; a valid answer ends the episode with reward R_EM on an exact match (`won`);
-    an invalid turn returns INVALID_SEARCH_OBS with `invalid_action` True. After `max_turns` turns
-    without an answer the episode ends (`truncated`, reward 0). A retriever error or timeout ends
-    the episode as failed (`error` set, reward 0).
+    task: a question record (`env_backends.load_qa`) or its id in `tasks`. The first observation
+    is "" (nothing searched yet). Every step is one turn: a valid `<search> q </search>` returns
+    `format_passages` of the top `top_k` passages, `<information> Doc 1 (Title: t) text ...
+    </information>` ("No results." when no passage shares a word with q); a valid `<answer> a
+    </answer>` ends the episode with reward R_EM when `exact_match` holds against any gold answer
+    (`won`), else 0; an invalid turn returns INVALID_SEARCH_OBS with `invalid_action` True. After
+    `max_turns` turns without an answer the episode ends (`truncated`, reward 0). A retriever error
+    or timeout ends the episode as failed (`error` set, reward 0). `info`: won, task_type, task
+    (the question), id, golden_answers, admissible ([]), steps, searches, truncated,
+    invalid_action, answer, error.
     """
 
     def __init__(self, retriever, tasks: dict | None = None, max_turns: int = 4, top_k: int = 3,
@@ -1433,10 +736,12 @@ class SearchPool:
 
     Same calls as EnvPool: reset(task_ids) (a question id may repeat: each copy is its own
     episode), step(actions) -> None for finished episodes, `stats`, close(), context manager.
-    The queries of one lock-step go to the retriever as one batch under one `timeout`; a timeout
-    or retriever error fails the episodes that searched in that step (done, reward 0, `error`
-    set, counted in `stats`) and the run goes on. Also carries what `rollout.run_episodes` needs
-    from an env family: task_key, task_prefix, stop_texts, build_prompt, parse_action.
+    The queries of one lock-step go to the retriever as one batch in a daemon thread under one
+    `timeout` (`call_with_timeout`, choice 8); a timeout or RetrieverError fails every episode that
+    searched in that step (done, reward 0, `error` set, counted in `stats`: errors, timeouts,
+    retriever_errors) and the run goes on; the hung thread is abandoned, never joined. An unknown
+    question id fails only its episode. Also carries what `rollout.run_episodes` needs from an env
+    family: task_key, task_prefix, stop_texts, build_prompt, parse_action.
     """
 
     task_key = "id"

@@ -30,11 +30,18 @@ Test: pytest tests/test_rollout.py
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
+import distributed
+import rsipo
+from distributed import all_gather_obj, all_reduce, micro_batches
 from envs import TASK_PREFIX, build_prompt, parse_action
 from skills import insert_skill
 
@@ -645,3 +652,178 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
         if progress:
             progress(step)
     return eps
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers: a chat template and a pad token that is not EOS
+
+def load_tokenizer(name_or_path: str):
+    """The checkpoint's tokenizer, with a chat template (else a clear error) and a pad token that is not
+    EOS (`ensure_pad`). AutoTokenizer, except for a tiny-preset checkpoint (warm_start/, final/): its
+    word-level tokenizer is saved as a plain `tokenizers` backend, which AutoTokenizer would rebuild as
+    Qwen2's BPE class from the model config (different ids), so it is loaded as the fast tokenizer it is."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    cfg = Path(name_or_path) / "tokenizer_config.json"
+    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in ("TokenizersBackend",
+                                                                               "PreTrainedTokenizerFast"):
+        tok = PreTrainedTokenizerFast.from_pretrained(name_or_path)
+    else:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    if not getattr(tok, "chat_template", None):
+        raise SystemExit(f"error: --model {name_or_path}: its tokenizer has no chat template (the prompts are chat "
+                         "messages): use an instruct / chat checkpoint, or add `chat_template` to its "
+                         "tokenizer_config.json")
+    return ensure_pad(tok, name_or_path)
+
+
+PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "<|pad|>", "<unk>")
+
+
+def ensure_pad(tok, name: str = ""):
+    """Give `tok` a pad token that is not its EOS [ours]: its own pad when that differs from EOS, else the
+    first of PAD_CANDIDATES / unk / bos in its vocabulary (Qwen pads with <|endoftext|>, ends with
+    <|im_end|>). Pad positions are always masked; a pad equal to EOS made padding indistinguishable from
+    an ended response. No candidate: a clear error (adding a token would resize the embeddings)."""
+    if tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id:
+        return tok
+    vocab = tok.get_vocab()
+    for t in (*PAD_CANDIDATES, tok.unk_token, tok.bos_token):
+        if t and t in vocab and vocab[t] != tok.eos_token_id:
+            tok.pad_token = t
+            return tok
+    raise SystemExit(f"error: --model {name}: its tokenizer has no pad token other than EOS "
+                     f"({tok.eos_token!r}) and none of {PAD_CANDIDATES} to use as one")
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs of sampled tokens under a model: π_old, π_ref and the teacher (METHOD.md §2.7)
+
+def collate(samples: list[tuple[list[int], list[int]]], pad_id: int, device):
+    """(prompt_ids, response_ids) → input_ids [B, P+R] and attention mask [B, P+R], with every prompt
+    left-padded to the longest (P) and every response right-padded to the longest (R), so that all
+    responses start at column P; targets [B, R] (the response tokens) and their mask [B, R].
+    `token_logprobs_of` then computes logits for the R response positions only: prompts are 75-90% of
+    an ALFWorld turn's tokens, and the [B, T, V] logits and log-softmax were the update's memory."""
+    P, R = max(len(p) for p, _ in samples), max(len(r) for _, r in samples)
+    ids = torch.full((len(samples), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), P + R), dtype=torch.long)
+    targets = torch.full((len(samples), R), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), R), dtype=torch.float32)
+    for b, (p, r) in enumerate(samples):
+        ids[b, P - len(p):P + len(r)] = torch.tensor(p + r)
+        attn[b, P - len(p):P + len(r)] = 1
+        targets[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[b, :len(r)] = 1.0
+    return ids.to(device), attn.to(device), targets.to(device), mask.to(device)
+
+
+def token_logprobs_of(model, ids, attn, targets, with_entropy=False):
+    """Log-probs [B, R] of `collate`'s targets (and the entropy [B, R]), from logits at the R positions
+    that predict them (P-1 .. P+R-2; HF's `logits_to_keep`) and one shared fp32 log-softmax. Positions
+    count from each row's first real token, as in generation with left padding."""
+    P = ids.shape[1] - targets.shape[1]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)                                     # [B, P+R]
+    keep = torch.arange(P - 1, ids.shape[1] - 1, device=ids.device)              # [R]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits   # [B, R, V]
+    return rsipo.logprobs_and_entropy(logits, targets, with_entropy)             # [B, R] fp32 each
+
+
+
+
+def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[int], list[int]]:
+    """The teacher's input (DESIGN §2.7): the student's prompt with the skill inserted after the task
+    line (`task_line` = the pool's task prefix + the task sentence), and the student's own response tokens."""
+    return engine.encode(insert_skill(turn.prompt_text, skill, task_line)), turn.response_ids
+
+
+@torch.no_grad()
+def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0) -> list[torch.Tensor]:
+    """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)].
+    An FSDP2-sharded model (GPU: the policy under --engine vllm, the reference) runs the same number of
+    forwards on every rank (one-token dummies), then reshards (the root stays gathered otherwise)."""
+    from torch.distributed.fsdp import FSDPModule
+    n_all = [len(p) + len(r) for p, r in samples]
+    order = sorted(range(len(samples)), key=n_all.__getitem__) if micro_tokens else list(range(len(samples)))
+    groups = micro_batches([n_all[i] for i in order], micro_batch, micro_tokens)
+    sharded = isinstance(model, FSDPModule)
+    n = int(all_reduce(len(groups), "max")[0]) if sharded else len(groups)
+    out: list = [None] * len(samples)
+    was_training = model.training
+    model.eval()
+    for g in range(n):
+        idx = [order[j] for j in groups[g]] if g < len(groups) else []
+        chunk = [samples[i] for i in idx] or [([pad_id], [pad_id])]
+        ids, attn, tgt, mask = collate(chunk, pad_id, device)
+        lp, _ = token_logprobs_of(model, ids, attn, tgt)                          # [B, R]
+        for b, i in enumerate(idx):
+            out[i] = lp[b, :len(samples[i][1])].float().cpu()
+    model.train(was_training)
+    if sharded:
+        model.reshard()
+    return out
+
+
+def sampler_gap(pairs) -> dict[str, float]:
+    """rollout/logp_diff_{max,mean}: |sampler log-prob − trainer's log π_old| over the tokens of (trainer [r],
+    sampler [r]) pairs, all ranks; {} when no rank has any. Both sides score the same tokens with the same
+    weights, so anything above float noise is a mismatch: padding trained as response, a checkpoint's
+    sampling penalties, a stale weight sync, a prompt the two sides tokenize differently."""
+    d = [(o.float() - torch.tensor(lp, dtype=torch.float32)).abs() for o, lp in pairs if len(lp)]
+    d = torch.cat(d) if d else torch.zeros(0)
+    tot = all_reduce([float(d.sum()), float(d.numel())])
+    mx = all_reduce(float(d.max()) if d.numel() else 0.0, "max")
+    if tot[1] == 0:
+        return {}
+    return {"rollout/logp_diff_max": float(mx[0]), "rollout/logp_diff_mean": float(tot[0] / tot[1]),
+            "rollout/logp_diff_tokens": int(tot[1])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation on held-out tasks
+
+def evaluate(engine, pool, games: list[str], args, constrained: bool) -> tuple[dict, dict[str, float]]:
+    """Success on held-out games (`eval_repeats` episodes each): the metrics (overall, per task type) and
+    the success per game (for `paired_gain`); games split across ranks."""
+    mine = games[distributed.RANK::distributed.WORLD]
+    # [ours] common random numbers: every evaluation of a run starts from the same sampling seed (the
+    # training RNG is left untouched), so an unchanged policy scores the same and start-vs-end is paired
+    # for as long as the episodes agree (HF engine; vLLM seeds its own sampler)
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(1_000_003 * (args.seed + 1) + distributed.RANK)
+        eps = run_episodes(engine, pool, [{pool.task_key: g} for g in mine], args.eval_repeats,
+                           history_len=args.history_len, temperature=args.eval_temperature,
+                           greedy=args.eval_temperature <= 0, constrained=constrained) if mine else []
+    rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps), e.task_id) for e in eps]) for r in part]
+    out = {"eval/success": float(np.mean([w for _, w, *_ in rows])) if rows else 0.0,
+           "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for _, _, n, _ in rows])) if rows else 0.0}
+    out.update({f"eval/success_{t}": v for t, v in mean_by((t, w) for t, w, *_ in rows).items()})
+    return out, mean_by((g, w) for _, w, _, g in rows)
+
+
+def mean_by(pairs) -> dict[str, float]:
+    """{key: mean of its values} over (key, value) pairs, keys sorted (success per task type or per game)."""
+    groups: dict[str, list[float]] = {}
+    for k, v in pairs:
+        groups.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+
+
+def paired_gain(start: dict[str, float], end: dict[str, float]) -> tuple[float, float, int]:
+    """Gain in held-out success paired over games: mean of d_g = end_g − start_g, its standard error
+    std(d)/√n (n − 1 in the std), and n, over the games both evaluations played. Pairing removes the
+    spread between easy and hard games from the error of a start-vs-end difference [ours]."""
+    d = np.array([end[g] - start[g] for g in sorted(set(start) & set(end))], dtype=float)
+    if len(d) < 2:
+        return float(d.mean()) if len(d) else float("nan"), float("nan"), len(d)
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d))), len(d)
+
+
+def round_robin_by_type(ids: list[str], type_of: dict[str, str]) -> list[str]:
+    """`ids` reordered round-robin over their task types (sorted type names, each type's own order kept),
+    so that any prefix covers all types: the held-out games of an `--eval_games` evaluation."""
+    by_type: dict[str, list[str]] = {}
+    for i in ids:
+        by_type.setdefault(type_of[i], []).append(i)
+    return [group[j] for j in range(max(map(len, by_type.values()), default=0))
+            for _, group in sorted(by_type.items()) if j < len(group)]

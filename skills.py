@@ -35,11 +35,6 @@ Choices the paper leaves open, made here **[ours]**:
    (ties: the oldest). Non-finite gains are rejected. Entries keep the task id and step of the
    first time they were added.
 
-6. `rule_skill` is a rule-based annotator for the tiny CPU preset's warm start (the analogue of
-   the paper's skill-annotated SFT data, which a small model cannot get from an external LLM
-   here): a workflow written from the task type and its objects after a success, avoidance
-   rules after a failure. `search_rule_skill` is its search-QA counterpart (one workflow per task
-   type, single-hop / multi-hop; the questions' own entities are not named).
 
 Test: `python -m pytest tests/test_skills.py -q`.
 """
@@ -53,15 +48,12 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 SKILL_PREFIX = "Skill for this task: "
-_ANALYZER_HEAD = "You are reviewing one episode of an agent acting in a text environment."
-_WON_REQUEST = ("The agent succeeded. Write a reusable step-by-step workflow for this kind of task: the general "
+ANALYZER_HEAD = "You are reviewing one episode of an agent acting in a text environment."
+WON_REQUEST = ("The agent succeeded. Write a reusable step-by-step workflow for this kind of task: the general "
                 "steps that led to success.")
-_LOST_REQUEST = ("The agent failed. Write avoidance rules for this kind of task: the mistakes made in this "
+LOST_REQUEST = ("The agent failed. Write avoidance rules for this kind of task: the mistakes made in this "
                  "episode and what to do instead.")
-_ANSWER_FORMAT = 'words. Answer with exactly one JSON object and nothing else: {"skill": "..."}'
-# The analyzer prompt's and the skill line's fixed texts: single tokens of the tiny preset's
-# tokenizer [ours] (see envs.PROMPT_PHRASES).
-ANALYZER_PHRASES = (SKILL_PREFIX.strip(), _ANALYZER_HEAD, _WON_REQUEST, _LOST_REQUEST, _ANSWER_FORMAT)
+ANSWER_FORMAT = 'words. Answer with exactly one JSON object and nothing else: {"skill": "..."}'
 MAX_WORDS_FACTOR = 2  # a skill over MAX_WORDS_FACTOR * max_words words is invalid [ours]
 ANALYZER_MAX_STEPS = 30  # the analyzer shows at most the episode's last 30 steps [ours]
 NON_ASCII_MAX = 0.2  # a skill with more than this share of non-ASCII characters is invalid [ours]
@@ -95,7 +87,7 @@ def analyzer_prompt(
     shown = steps[-max_steps:] if max_steps > 0 else []
     first = len(steps) - len(shown)  # 0-based index of the first step shown
     lines = [
-        _ANALYZER_HEAD,
+        ANALYZER_HEAD,
         f"Task: {' '.join(task.split())}",
         f"Outcome: {outcome}",
         "",
@@ -110,8 +102,8 @@ def analyzer_prompt(
                   f"Action: {_clip(act, max_obs_chars)}", ""]
     if lines[-1]:
         lines.append("")
-    lines.append(_WON_REQUEST if won else _LOST_REQUEST)
-    lines.append(f"Use at most {max_words} {_ANSWER_FORMAT}")
+    lines.append(WON_REQUEST if won else LOST_REQUEST)
+    lines.append(f"Use at most {max_words} {ANSWER_FORMAT}")
     return "\n".join(lines)
 
 
@@ -199,54 +191,6 @@ def skill_token_budget(encode, max_words: int = 80) -> int:
     per_word = len(encode(_BUDGET_SAMPLE)) / len(_BUDGET_SAMPLE.split())
     wrapper = len(encode('{"skill": ""}'))
     return math.ceil(1.5 * per_word * MAX_WORDS_FACTOR * max_words) + wrapper
-
-
-# ---------------------------------------------------------------------------------------------
-# Rule-based skills for the tiny warm start [ours]
-
-TOOLS = {  # ALFWorld task type → (the receptacle that does it, the verb)
-    "clean": ("sinkbasin", "clean"), "heat": ("microwave", "heat"), "cool": ("fridge", "cool")}
-
-
-def rule_skill(task_type: str, obj: str, recep: str = "", toggle: str = "", won: bool = True,
-               visited: list[str] | None = None) -> str:
-    """A short skill for an ALFWorld task (short type names: pick, look, clean, heat, cool, pick2).
-
-    After a success: the workflow, naming the receptacle where the object was found when known
-    (`visited[-1]`, the receptacle of the successful take). After a failure: avoidance rules.
-    """
-    obj, recep, toggle = obj.lower(), recep.lower(), toggle.lower()
-    find = f"go to each receptacle in the listed order, open it if closed, and take the {obj} when you see it"
-    if visited:
-        find = f"the {obj} was at {visited[-1]}; otherwise {find}"
-    if not won:
-        rule = f"do not repeat the same action or go back and forth; {find}"
-        if task_type == "look":
-            return f"{rule}; then go to the {toggle} and use it while holding the {obj}."
-        if task_type in TOOLS:
-            tool, verb = TOOLS[task_type]
-            return f"{rule}; {verb} it with the {tool} before you go to the {recep}."
-        return f"{rule}; do not take other objects; move it to the {recep}."
-    if task_type == "look":
-        return f"{find}; then go to the {toggle} and use the {toggle}."
-    if task_type in TOOLS:
-        tool, verb = TOOLS[task_type]
-        return f"{find}; go to the {tool} and {verb} the {obj} with it; then go to the {recep} and move the {obj} to it."
-    if task_type == "pick2":
-        return f"{find}; go to the {recep} and move it there; then find the second {obj} the same way and move it to the {recep}."
-    return f"{find}; then go to the {recep} and move the {obj} to it."
-
-
-def search_rule_skill(task_type: str, won: bool = True) -> str:
-    """A short skill for a search-QA task (task types single / multi), for the tiny warm start."""
-    if task_type == "multi":
-        flow = ("search the name in the question; find the name the passage links to it; search that "
-                "second name; answer with the word its passage gives, copied exactly")
-    else:
-        flow = "search the name in the question; answer with the word its passage gives, copied exactly"
-    if not won:
-        return f"do not answer before searching and do not repeat a search; {flow}."
-    return f"{flow}."
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Two measurements per model, each variant in a fresh process (peak RSS over the p
 RSS once the model is loaded, so the figure is what the step itself allocates):
 * `update`: one micro-batch of B sequences (P prompt + R response tokens), log-probs and entropy, backward.
   `full`: logits at every position and two fp32 log-softmaxes (one for ℓ, one for the entropy): the
-  trainer's path before. `response`: `train.collate` + `train.token_logprobs_of`, logits at the R response
+  trainer's path before. `response`: `rollout.collate` + `rollout.token_logprobs_of`, logits at the R response
   positions and one shared log-softmax: the trainer's path now.
 * `generate`: B prompts of P tokens, G sampled tokens. `scores`: HF `generate(output_scores=True)`, every
   step's [B, V] scores kept to read one log-prob per token (the engine before). `engine`: `rollout.HFEngine`,
@@ -42,11 +42,11 @@ def peak_mb() -> float:
 
 def load(name: str, cache: str):
     import cpu_preset
-    import train
+    import rollout
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     if name == "smollm2":
         path = cpu_preset.smollm2(cache)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), train.load_tokenizer(path)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rollout.load_tokenizer(path)
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
@@ -56,7 +56,7 @@ def load(name: str, cache: str):
 def one(a) -> dict:
     """Run one variant in this process and return its figures."""
     import rsipo
-    import train
+    import rollout
     model, tok = load(a.model, a.cache_dir)
     g = torch.Generator().manual_seed(0)
     V = model.config.vocab_size
@@ -74,8 +74,8 @@ def one(a) -> dict:
             ent = rsipo.entropy_from_logits(logits[:, :-1])
             loss = -(lp[:, a.prompt - 1:].mean() + 0.001 * ent[:, a.prompt - 1:].mean())
         else:
-            ids, attn, tgt, mask = train.collate(samples, tok.pad_token_id, "cpu")
-            lp, ent = train.token_logprobs_of(model, ids, attn, tgt, with_entropy=True)  # [B, R]
+            ids, attn, tgt, mask = rollout.collate(samples, tok.pad_token_id, "cpu")
+            lp, ent = rollout.token_logprobs_of(model, ids, attn, tgt, with_entropy=True)  # [B, R]
             loss = -(lp.mean() + 0.001 * ent.mean())
         loss.backward()
     else:

@@ -5,10 +5,10 @@ Steps (every rank does the same on its own GPU; `scripts/gpu_check.sh` runs one 
    (hidden 1024, 12 blocks, 16 heads, ~190 M parameters) with a word-level tokenizer of 16,384 made-up
    words, saved to `--work_dir` so that vLLM can load it. No downloads.
 2. Engine: `rollout.VLLMEngine` (vllm==0.32.0, external launcher, sleep mode, per-rank seed).
-   Trainer: the same checkpoint in fp32, FSDP2 via `train.shard` (bf16 compute, fp32 gradient reduce).
+   Trainer: the same checkpoint in fp32, FSDP2 via `distributed.shard` (bf16 compute, fp32 gradient reduce).
 3. Rollout: `--prompts` prompts of `--prompt_words` words, `--gen_tokens` sampled tokens each at T 1
    (no stop texts): rollout tokens/s and MFU.
-4. Before any update: vLLM's sampled log-probs against the trainer's recomputed ones (`train.score_tokens`)
+4. Before any update: vLLM's sampled log-probs against the trainer's recomputed ones (`rollout.score_tokens`)
    on the same tokens (the comparison itself is sound).
 5. Update: the engine sleeps; `--steps` optimizer steps of `rsipo.rsipo_loss` (clipped PG with
    synthetic group advantages + k3 KL) over those samples, AdamW `--lr`: update tokens/s and MFU
@@ -84,10 +84,10 @@ def build_model(args, rank: int) -> str:
     """A Qwen2 from a config and a word-level tokenizer, saved (bf16) where vLLM can load them."""
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    import train
+    import cpu_preset
     out = Path(args.work_dir) / f"qwen2_h{args.hidden}_l{args.layers}_v{args.vocab_words}"
     if rank == 0 and not (out / "config.json").exists():
-        tok = train.train_tiny_tokenizer([" ".join(f"w{i}" for i in range(args.vocab_words)), "user assistant"])
+        tok = cpu_preset.train_tiny_tokenizer([" ".join(f"w{i}" for i in range(args.vocab_words)), "user assistant"])
         heads = max(1, args.hidden // 64)
         cfg = Qwen2Config(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
                           num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
@@ -139,27 +139,27 @@ def main(argv=None):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     import torch.distributed as dist
     import rsipo
-    import train
+    import distributed
+    import rollout
     from rollout import VLLMEngine
     from transformers import AutoModelForCausalLM
-    rank, world = train.dist_setup()
-    train.RANK, train.WORLD = rank, world
+    rank, world = distributed.setup()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     path = args.model or build_model(args, rank)
-    tok = train.load_tokenizer(path)   # a tiny-preset tokenizer is not what AutoTokenizer rebuilds
+    tok = rollout.load_tokenizer(path)   # a tiny-preset tokenizer is not what AutoTokenizer rebuilds
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     words = [w for w in tok.get_vocab() if w.isalnum()] or ["hello"]
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)   # fp32 master weights
     if args.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = train.shard(model)           # FSDP2: bf16 compute, fp32 gradient reduce
+    model = distributed.shard(model)           # FSDP2: bf16 compute, fp32 gradient reduce
     n_mm, cfg = matmul_params(model), model.config
     peak, peak_note = peak_flops(args) if cuda else (float("nan"), "CPU plumbing run: no MFU")
     prompts = [" ".join(random.choice(words) for _ in range(args.prompt_words)) for _ in range(args.prompts)]
-    prompt_len = len(train.chat_ids(tok, prompts[0]))
+    prompt_len = len(rollout.chat_ids(tok, prompts[0]))
     engine = VLLMEngine(path, tok, max_new_tokens=args.gen_tokens, temperature=1.0, max_prompt_tokens=prompt_len + 64,
                         seed=args.seed + rank, gpu_memory_utilization=args.gpu_memory_utilization,
                         logprobs_mode="raw_logprobs", dtype="bfloat16" if cuda else "float32",
@@ -185,7 +185,7 @@ def main(argv=None):
 
     # ---- log-probs before any update ----
     samples = [(g.prompt_ids, g.token_ids) for g in gens if g.token_ids]
-    old = train.score_tokens(model, samples, pad, device, args.micro_batch)
+    old = rollout.score_tokens(model, samples, pad, device, args.micro_batch)
     res["before_update"] = compare([g.logprobs for g in gens if g.token_ids], old)
 
     # ---- update (engine asleep) ----
@@ -202,9 +202,11 @@ def main(argv=None):
         pad_step = 0
         for i in range(0, len(samples), args.micro_batch):
             chunk = samples[i:i + args.micro_batch]
-            ids, attn, tgt, mask = train.collate(chunk, pad, device)                       # [B, T]
-            lp, _ = train.token_logprobs_of(model, ids, attn, tgt)                          # [B, T]
-            o = train._place(old[i:i + args.micro_batch], [train.Sample(p, r, 0.0, None) for p, r in chunk], lp.shape, device)
+            ids, attn, tgt, mask = rollout.collate(chunk, pad, device)                       # [B, T]
+            lp, _ = rollout.token_logprobs_of(model, ids, attn, tgt)                          # [B, T]
+            o = torch.zeros_like(lp)                                                       # [B, R] π_old
+            for j, v in enumerate(old[i:i + args.micro_batch]):
+                o[j, :len(v)] = v.to(device)
             A = A_all[i:i + args.micro_batch].to(device)                                    # [B]
             loss, _ = rsipo.rsipo_loss(lp, o, A, mask, ref_logp=o, c_kl=0.01, c_ent=0.0, n_tokens=n_tok)
             loss.backward()
@@ -228,12 +230,12 @@ def main(argv=None):
     n_pushed = engine.load_weights(model.named_parameters())
     sync()
     res["sync"] = {"seconds": time.perf_counter() - t, "tensors": n_pushed}
-    new_old = train.score_tokens(model, samples, pad, device, args.micro_batch)
+    new_old = rollout.score_tokens(model, samples, pad, device, args.micro_batch)
     drift = compare([g.logprobs for g in gens if g.token_ids], new_old)
     gens2 = engine.generate(prompts, stop=False)
     samples2 = [(g.prompt_ids, g.token_ids) for g in gens2 if g.token_ids]
     after = compare([g.logprobs for g in gens2 if g.token_ids],
-                    train.score_tokens(model, samples2, pad, device, args.micro_batch))
+                    rollout.score_tokens(model, samples2, pad, device, args.micro_batch))
     ok = after["mean_abs"] <= args.tol_mean and after["max_abs"] <= args.tol_max \
         and drift["mean_abs"] >= 4 * after["mean_abs"]
     res["sync"].update({"drift_mean_abs": drift["mean_abs"], "drift_max_abs": drift["max_abs"],

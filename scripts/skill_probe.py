@@ -33,13 +33,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train  # noqa: E402
-from envs import EnvPool, game_task_type, list_games  # noqa: E402
+import cpu_preset  # noqa: E402
+import rollout  # noqa: E402
+from env_backends import game_task_type, list_games  # noqa: E402
+from envs import EnvPool  # noqa: E402
 from rollout import HFEngine, run_episodes  # noqa: E402
 
 
+# train.py's defaults (its Args) for a model that is not the tiny preset's; a tiny one takes TINY_DEFAULTS
+REAL_MODEL_DEFAULTS = {"max_turns": 50, "history_len": 2, "max_new_tokens": 512, "constrained": False}
+
+
 def success(eps) -> dict[str, float]:
-    return {"all": sum(e.won for e in eps) / max(1, len(eps)), **train.mean_by((e.task_type, e.won) for e in eps)}
+    return {"all": sum(e.won for e in eps) / max(1, len(eps)), **rollout.mean_by((e.task_type, e.won) for e in eps)}
 
 
 def score_bank(bank: dict) -> dict[str, dict[str, float]]:
@@ -49,7 +55,7 @@ def score_bank(bank: dict) -> dict[str, dict[str, float]]:
         for e in entries:
             wt = Path(e["task_id"]).with_name("walkthrough.json") if e.get("task_id") else None
             if wt is not None and wt.exists():
-                rows.setdefault(ttype, []).append(train.skill_facts(e["text"], wt))
+                rows.setdefault(ttype, []).append(cpu_preset.skill_facts(e["text"], wt))
     out = {}
     for ttype, r in list(rows.items()) + [("all", [x for v in rows.values() for x in v])]:
         if r:
@@ -68,7 +74,7 @@ def main(argv=None):
     p.add_argument("--max_turns", type=int, default=None, help="episode cap (default: train.py's for this model)")
     p.add_argument("--history_len", type=int, default=None, help="history shown (default: train.py's)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="response tokens per turn (default: train.py's)")
-    p.add_argument("--constrained", type=train._bool, default=None,
+    p.add_argument("--constrained", type=lambda s: {"true": True, "false": False}[s.lower()], default=None,
                    help="decode only admissible actions (default: train.py's: on for a tiny-preset model only)")
     p.add_argument("--bank", default="", help="a run's skill_bank.json (adds the 'bank' condition)")
     p.add_argument("--seed", type=int, default=0)
@@ -78,21 +84,20 @@ def main(argv=None):
     if not (Path(a.model) / "config.json").exists():
         raise SystemExit(f"error: --model {a.model}: not a Hugging Face model folder (no config.json)")
     # the flags not given take what train.py would use for this model (the tiny preset's, or the released ones)
-    defaults = {**{k: getattr(train.Args(), k) for k in ("max_turns", "history_len", "max_new_tokens", "constrained")},
-                **train.presets_for(a.model, "alfworld")}
+    defaults = {**REAL_MODEL_DEFAULTS, **(cpu_preset.TINY_DEFAULTS if cpu_preset.is_tiny(a.model) else {})}
     for k in ("max_turns", "history_len", "max_new_tokens", "constrained"):
         if getattr(a, k) is None:
             setattr(a, k, defaults[k])
     from transformers import AutoModelForCausalLM
-    tok = train.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
+    tok = rollout.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     engine = HFEngine(model, tok, max_new_tokens=a.max_new_tokens)
 
     split = list_games(a.data_root, a.split)
     types = {g: game_task_type(g) for g in split}
-    split = train.round_robin_by_type(split, types)   # the order of train.py's --eval_games evaluation
+    split = rollout.round_robin_by_type(split, types)   # the order of train.py's --eval_games evaluation
     games = split[:a.games] if a.games else split
-    rule = lambda g, **kw: train.game_rule_skills(Path(g).with_name("walkthrough.json"), **kw)[0]   # noqa: E731
+    rule = lambda g, **kw: cpu_preset.game_rule_skills(Path(g).with_name("walkthrough.json"), **kw)[0]   # noqa: E731
     oracle = {g: rule(g) for g in games}
     generic = {g: rule(g, with_place=False) for g in games}
     rng = random.Random(a.seed)
@@ -128,7 +133,7 @@ def main(argv=None):
             eps = run_episodes(engine, pool, tasks, a.repeats, history_len=a.history_len, skills=skills,
                                temperature=a.temperature, greedy=a.temperature <= 0, constrained=a.constrained)
             results[name] = success(eps)
-            games_won[name] = train.mean_by((e.task_id, e.won) for e in eps)
+            games_won[name] = rollout.mean_by((e.task_id, e.won) for e in eps)
             if name == "none":
                 eps_none = eps
             print(f"{name:8s} success {results[name]['all']:.3f} on {len(eps)} episodes ({time.time() - t0:.0f}s)",
@@ -141,9 +146,9 @@ def main(argv=None):
     for e in eps_none:
         for tr in e.turns:
             student.append((tr.prompt_ids, tr.response_ids))
-            teacher.append(train.teacher_pair(engine, tr, oracle[e.task_id], pool.task_prefix + e.task))
-    ls = train.score_tokens(model, student, tok.pad_token_id, "cpu", 32)
-    lt = train.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
+            teacher.append(rollout.teacher_pair(engine, tr, oracle[e.task_id], pool.task_prefix + e.task))
+    ls = rollout.score_tokens(model, student, tok.pad_token_id, "cpu", 32)
+    lt = rollout.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
     tok_gap = torch.cat([t - s for t, s in zip(lt, ls)])
     turn_gap = torch.stack([(t - s).sum() for t, s in zip(lt, ls)])
     gap = {"turns": len(student), "tokens": int(tok_gap.numel()), "mean_per_token": tok_gap.mean().item(),
@@ -151,7 +156,7 @@ def main(argv=None):
            "mean_per_turn": turn_gap.mean().item()}
 
     # each condition against none, paired over games (the same sampling seed in every condition)
-    vs_none = {name: dict(zip(("gain", "se", "games"), train.paired_gain(games_won["none"], games_won[name])))
+    vs_none = {name: dict(zip(("gain", "se", "games"), rollout.paired_gain(games_won["none"], games_won[name])))
                for name in results if name != "none"}
     cols = ["all"] + sorted({k for r in results.values() for k in r} - {"all"})
     print(f"\nheld-out success (%), {len(games)} games x {a.repeats} episodes, T {a.temperature}, {a.model}")

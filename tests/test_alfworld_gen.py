@@ -1,4 +1,4 @@
-"""The game generator: real scenes in, official-layout games out, walkthroughs that win in the engine."""
+"""The game generator (scripts/alfworld_gen.py): real scenes in, official-layout games out, walkthroughs that win in the engine."""
 import json
 import random
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import alfworld_gen as G  # noqa: E402
 
 

@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as T  # noqa: E402
+import distributed as D  # noqa: E402
+import cpu_preset  # noqa: E402
 from test_train import TINY, _state  # noqa: E402
 
 ARGS = T.Args(tiny_hidden=32)
@@ -25,9 +27,9 @@ ARGS = T.Args(tiny_hidden=32)
 
 def _model_opt(seed: int, sharded: bool = False):
     torch.manual_seed(seed)
-    model = T.tiny_model(50, ARGS)
+    model = cpu_preset.tiny_model(50, ARGS)
     if sharded:
-        model = T.shard(model)
+        model = D.shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -42,7 +44,7 @@ def _train_step(model, opt) -> float:
 
 
 def _params(model) -> dict:
-    return {k: v.clone() for k, v in T.full_state(model).items()}
+    return {k: v.clone() for k, v in D.full_state(model).items()}
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -57,7 +59,7 @@ def test_save_then_load_restores_model_optimizer_and_rng_exactly(tmp_path):
     model, opt = _model_opt(0)
     _train_step(model, opt)
     extra = {"bank": {"skills": [["pick", "go to desk 1"]]}, "skill_means": {"pick": 0.5}}
-    T.save_checkpoint(tmp_path, model, opt, 1, ARGS, extra)
+    D.save_checkpoint(tmp_path, model, opt, 1, ARGS, extra)
     params, adam = _params(model), _adam(opt)
     loss_next = _train_step(model, opt)   # the uninterrupted run's next step
     params_next = _params(model)
@@ -65,7 +67,7 @@ def test_save_then_load_restores_model_optimizer_and_rng_exactly(tmp_path):
     model2, opt2 = _model_opt(1)          # other weights, no Adam state, other RNG states
     random.seed(7)
     np.random.seed(7)
-    st = T.load_checkpoint(tmp_path, model2, opt2)
+    st = D.load_checkpoint(tmp_path, model2, opt2)
     assert st["step"] == 1 and st["extra"] == extra and st["path"].name == "step_000001"
     assert _equal(_params(model2), params)
     a2 = _adam(opt2)
@@ -74,7 +76,7 @@ def test_save_then_load_restores_model_optimizer_and_rng_exactly(tmp_path):
     assert sorted(p.name for p in st["path"].iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "args.json",
                                                             "extra.pt"]
     with pytest.raises(TypeError, match="no tensors"):
-        T.save_checkpoint(tmp_path, model, opt, 2, ARGS, {"ref": model.state_dict()})
+        D.save_checkpoint(tmp_path, model, opt, 2, ARGS, {"ref": model.state_dict()})
 
 
 def _damage(d: Path, how: str) -> Path:
@@ -99,39 +101,39 @@ def test_keeps_the_previous_checkpoint_and_falls_back_from_a_damaged_one(tmp_pat
     saved = {}
     for step in (1, 2, 3):
         _train_step(model, opt)
-        T.save_checkpoint(tmp_path, model, opt, step, ARGS, {"at": step})
+        D.save_checkpoint(tmp_path, model, opt, step, ARGS, {"at": step})
         saved[step] = _params(model)
     ck = tmp_path / "ckpt"
-    assert [d.name for d in T.checkpoints(tmp_path)] == ["step_000003", "step_000002"]
+    assert [d.name for d in D.checkpoints(tmp_path)] == ["step_000003", "step_000002"]
     assert sorted(os.listdir(ck)) == ["step_000002", "step_000003"]   # step 1 deleted, the previous one kept
     # a save that crashed before its rename: a temp folder with every file but the marker, ignored
     shutil.copytree(ck / "step_000003", ck / "step_000004.tmp", ignore=shutil.ignore_patterns("COMPLETE"))
     bad = _damage(ck / "step_000003", how)
 
     model2, opt2 = _model_opt(1)
-    st = T.load_checkpoint(tmp_path, model2, opt2)
+    st = D.load_checkpoint(tmp_path, model2, opt2)
     assert st["step"] == 2 and st["extra"] == {"at": 2} and _equal(_params(model2), saved[2])
     out = capsys.readouterr().out
     assert f"checkpoint damaged, {bad}" in out and "trying the previous one" in out, out
     # the run goes on from step 2: its save of step 3 replaces the damaged one and clears the temp folder
     _train_step(model2, opt2)
-    T.save_checkpoint(tmp_path, model2, opt2, 3, ARGS, {"at": 3})
+    D.save_checkpoint(tmp_path, model2, opt2, 3, ARGS, {"at": 3})
     assert sorted(os.listdir(ck)) == ["step_000002", "step_000003"]
-    assert T.load_checkpoint(tmp_path, *_model_opt(2))["extra"] == {"at": 3}
+    assert D.load_checkpoint(tmp_path, *_model_opt(2))["extra"] == {"at": 3}
     # none loads: an error naming each bad file
     bad3, bad2 = _damage(ck / "step_000003", how), _damage(ck / "step_000002", how)
     with pytest.raises(SystemExit) as e:
-        T.load_checkpoint(tmp_path, *_model_opt(2))
+        D.load_checkpoint(tmp_path, *_model_opt(2))
     assert f"{bad3}:" in str(e.value) and f"{bad2}:" in str(e.value), str(e.value)
 
 
 def test_no_checkpoint_loads_nothing_and_old_runs_checkpoints_are_cleared(tmp_path):
-    assert T.checkpoints(tmp_path) == [] and T.load_checkpoint(tmp_path, *_model_opt(0)) is None
+    assert D.checkpoints(tmp_path) == [] and D.load_checkpoint(tmp_path, *_model_opt(0)) is None
     model, opt = _model_opt(0)
-    T.save_checkpoint(tmp_path, model, opt, 8, ARGS, {})
+    D.save_checkpoint(tmp_path, model, opt, 8, ARGS, {})
     # a restart with --resume false saves step 1: the old run's step 8 must not be resumed later
-    T.save_checkpoint(tmp_path, model, opt, 1, ARGS, {})
-    assert [d.name for d in T.checkpoints(tmp_path)] == ["step_000001"]
+    D.save_checkpoint(tmp_path, model, opt, 1, ARGS, {})
+    assert [d.name for d in D.checkpoints(tmp_path)] == ["step_000001"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,27 +143,27 @@ def test_no_checkpoint_loads_nothing_and_old_runs_checkpoints_are_cleared(tmp_pa
 def _two_rank_worker(out: Path):
     """Under torchrun, 2 ranks: save after step 1; a fresh sharded model and AdamW resumed from it take the same
     step 2 as the uninterrupted run; with rank 1's shard of step 2 truncated, a load falls back to step 1."""
-    T.RANK, T.WORLD = T.dist_setup()
-    random.seed(T.RANK)   # per-rank python / numpy RNG: each rank draws its own batch
-    np.random.seed(T.RANK)
+    D.setup()
+    random.seed(D.RANK)   # per-rank python / numpy RNG: each rank draws its own batch
+    np.random.seed(D.RANK)
     model, opt = _model_opt(0, sharded=True)
     _train_step(model, opt)
-    T.save_checkpoint(out, model, opt, 1, ARGS, {"at": 1})
+    D.save_checkpoint(out, model, opt, 1, ARGS, {"at": 1})
     params1 = _params(model)
     loss2 = _train_step(model, opt)
     params2 = _params(model)
 
     model, opt = _model_opt(1, sharded=True)
-    assert T.load_checkpoint(out, model, opt)["step"] == 1 and _equal(_params(model), params1)
+    assert D.load_checkpoint(out, model, opt)["step"] == 1 and _equal(_params(model), params1)
     assert _train_step(model, opt) == loss2 and _equal(_params(model), params2)
-    T.save_checkpoint(out, model, opt, 2, ARGS, {"at": 2})
+    D.save_checkpoint(out, model, opt, 2, ARGS, {"at": 2})
 
-    if T.RANK == 0:
+    if D.RANK == 0:
         shard = out / "ckpt" / "step_000002" / "__1_0.distcp"
         shard.write_bytes(shard.read_bytes()[:100])
     torch.distributed.barrier()
     model, opt = _model_opt(2, sharded=True)
-    assert T.load_checkpoint(out, model, opt)["step"] == 1 and _equal(_params(model), params1)
+    assert D.load_checkpoint(out, model, opt)["step"] == 1 and _equal(_params(model), params1)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -203,7 +205,7 @@ def test_two_ranks_end_to_end_resume_matches_the_uninterrupted_run(tmp_path):
     argv = [str(ROOT / "train.py"), *TINY, "--env_workers", "1", "--eval", "false", "--out_dir", str(tmp_path)]
     _torchrun(argv + ["--run_name", "full"], 29552, timeout=900)
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert [d.name for d in T.checkpoints(full)] == ["step_000002", "step_000001"]
+    assert [d.name for d in D.checkpoints(full)] == ["step_000002", "step_000001"]
     _assert_sharded(full / "ckpt" / "step_000002")
     shutil.copytree(full, cut)
     shutil.rmtree(cut / "ckpt" / "step_000002")

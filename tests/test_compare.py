@@ -1,4 +1,4 @@
-"""compare.py: the shared warm start's flags, its errors, and the table built from finished runs."""
+"""scripts/compare.py: the shared warm start's flags, its errors, and the table built from finished runs."""
 import json
 import sys
 from pathlib import Path
@@ -7,6 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 import compare as C  # noqa: E402
 
 
@@ -24,8 +25,9 @@ def test_warm_start_flags_and_bad_folder(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert C.warm_start(a, []) == ["--model", str(tmp_path), "--sft_steps", "0"]
     # the tiny preset's settings travel with the shared warm start: a run loading it from a path gets them
+    import cpu_preset
     import train as T
-    T.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)
+    cpu_preset.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)
     args = T.parse_args(C.warm_start(a, []))
     assert (args.opsd_keep, args.replay_m, args.constrained, args.lr, args.max_new_tokens) == (0.3, 2, True, 5e-5, 48)
     assert T.parse_args(C.warm_start(a, []) + ["--lr", "1e-4"]).lr == 1e-4   # a flag given still wins

@@ -1,6 +1,8 @@
-"""Tests for envs.py: prompt and action parsing, game listing, AlfWorldEnv on the real engine with the
-shipped games (data/alfworld, written by alfworld_gen.py), and EnvPool (lock-step, independent
-copies of a game, worker crash, worker timeout, clean shutdown). No mocks of the engine.
+"""Tests for envs.py and the ALFWorld half of env_backends.py: prompt and action parsing, game listing,
+AlfWorldEnv on the real engine with the shipped games (data/alfworld, written by
+scripts/alfworld_gen.py), and EnvPool (lock-step, independent copies of a game, worker crash, worker
+timeout, clean shutdown). No mocks of the engine; the hung worker is a SleepyEnv (tests/env_doubles.py)
+injected through EnvPool's env_class.
 Run: python -m pytest tests/test_envs.py -q   (about a minute on 2 cores)
 """
 
@@ -16,13 +18,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import env_backends  # noqa: E402
 import envs  # noqa: E402
-from envs import (MAX_ACTION_CHARS, NOTHING_HAPPENS, R_WIN, TASK_TYPES, AlfWorldEnv, EnvDataError,  # noqa: E402
-                  EnvPool, GameCache, build_prompt, game_task_type, list_games, parse_action)
+from env_backends import TASK_TYPES, EnvDataError, GameCache, game_task_type, list_games  # noqa: E402
+from env_doubles import SLEEP, SleepyEnv  # noqa: E402
+from envs import MAX_ACTION_CHARS, NOTHING_HAPPENS, R_WIN, AlfWorldEnv, EnvPool, build_prompt, parse_action  # noqa: E402
 
 DATA = os.path.join(ROOT, "data", "alfworld")
 needs_games = pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "json_2.1.1", "train")),
-                                 reason="no shipped games; run `python alfworld_gen.py --out data/alfworld`")
+                                 reason="no shipped games; run `python scripts/alfworld_gen.py --out data/alfworld`")
 
 
 # ----------------------------------------------------------------------------- constants
@@ -30,8 +34,8 @@ needs_games = pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "json_2.1.
 
 def test_task_types_both_ways():
     assert sorted(TASK_TYPES.values()) == sorted(["pick", "look", "clean", "heat", "cool", "pick2"])
-    assert envs.TASK_TYPES_LONG["pick2"] == "pick_two_obj_and_place"
-    assert all(envs.TASK_TYPES_LONG[s] == lg for lg, s in TASK_TYPES.items())
+    assert env_backends.TASK_TYPES_LONG["pick2"] == "pick_two_obj_and_place"
+    assert all(env_backends.TASK_TYPES_LONG[s] == lg for lg, s in TASK_TYPES.items())
     assert R_WIN == 10.0
 
 
@@ -143,7 +147,7 @@ def test_list_games_missing_split_lists_present(tmp_path):
         list_games(str(tmp_path), "valid_unseen")
     msg = str(e.value)
     assert "valid_unseen" in msg and "['train', 'valid_seen']" in msg
-    assert "alfworld-download" in msg and "alfworld_gen.py" in msg
+    assert "alfworld-download" in msg and "scripts/alfworld_gen.py" in msg
 
 
 def test_list_games_empty_split(tmp_path):
@@ -213,7 +217,7 @@ def one_per_type(games):
     for g in games:
         first.setdefault(game_task_type(g), g)
     assert sorted(first) == sorted(TASK_TYPES.values())
-    return [first[t] for t in envs.SHORT_TASK_TYPES]
+    return [first[t] for t in env_backends.SHORT_TASK_TYPES]
 
 
 def _walkthrough(gamefile):
@@ -393,7 +397,7 @@ STEP_TIMEOUT = 4.0
 def pool():
     if not os.path.isdir(os.path.join(DATA, "json_2.1.1", "train")):
         pytest.skip("no shipped games")
-    p = EnvPool(num_workers=2, max_steps=50, step_timeout=STEP_TIMEOUT, _test_hooks=True)
+    p = EnvPool(num_workers=2, max_steps=50, step_timeout=STEP_TIMEOUT, env_class=SleepyEnv)
     yield p
     p.close()
 
@@ -490,7 +494,7 @@ def test_pool_step_timeout(pool, games):
     pool.reset(games[:4])
     before, old_pid = dict(pool.stats), pool.pids[1]
     t = time.monotonic()
-    out = pool.step(["look", envs._TEST_SLEEP + " 60", "look", "look"])  # worker 1: episodes 1, 3
+    out = pool.step(["look", SLEEP + " 60", "look", "look"])  # worker 1 (episodes 1, 3) hangs
     assert time.monotonic() - t < STEP_TIMEOUT + 30
     for i in (1, 3):
         assert out[i][2] and out[i][1] == 0.0 and out[i][3]["error"] == "timeout" and not out[i][3]["won"]
@@ -518,8 +522,8 @@ def test_pool_close_leaves_no_children(games):
         pids = p.pids
         p.reset(games[:2])
         assert all(_alive(pid) for pid in pids)
-        t = time.monotonic()  # without _test_hooks the sleep string is just a non-admissible command
-        out = p.step([envs._TEST_SLEEP + " 60", "look"])
+        t = time.monotonic()  # the default env_class is AlfWorldEnv: the sleep string is just a command
+        out = p.step([SLEEP + " 60", "look"])
         assert out[0][0] == NOTHING_HAPPENS and time.monotonic() - t < STEP_TIMEOUT
     assert not any(_alive(pid) for pid in pids)
     assert not [c for c in mp.active_children() if c.pid in pids]

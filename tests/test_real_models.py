@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import cpu_preset  # noqa: E402
 import train as T  # noqa: E402
+import rollout as R  # noqa: E402
+import envs  # noqa: E402
 from envs import build_prompt, parse_action  # noqa: E402
 from rollout import HFEngine, chat_ids, fit_prompt, response_end  # noqa: E402
 from skills import analyzer_prompt, insert_skill, parse_skill, skill_token_budget  # noqa: E402
@@ -108,7 +110,7 @@ def test_sampling_ignores_the_checkpoints_generation_config(qtok, tiny_qwen):
     # [B, V] scores (3.1 × B·T·V·4 bytes; 62 GB at 64 × 512 tokens with this vocabulary)
     assert not seen[0]["generation_config"].output_scores and "output_scores" not in seen[0]
     assert all(g.free and len(g.token_ids) == 16 for g in gens)
-    old = T.score_tokens(model, [(g.prompt_ids, g.token_ids) for g in gens], QWEN_PAD, "cpu", micro_batch=8)
+    old = R.score_tokens(model, [(g.prompt_ids, g.token_ids) for g in gens], QWEN_PAD, "cpu", micro_batch=8)
     diff = torch.cat([(o - torch.tensor(g.logprobs)).abs() for o, g in zip(old, gens)])
     assert diff.max() < 1e-4, float(diff.max())   # with the checkpoint's penalty: ~0.3 nat/token on average
     assert model.generation_config.repetition_penalty == 1.05   # the model's own config is left as it was
@@ -122,14 +124,14 @@ def test_skill_insertion_and_history_dropped_to_fit_keep_task_skill_and_instruct
     def build(h):
         p = build_prompt(task, "You arrive at sinkbasin 1.", ["go to desk 1", "clean mug 1 with sinkbasin 1"],
                          history, history_len=h)
-        return insert_skill(p, "clean the mug at the sinkbasin first", T.TASK_PREFIX + task)
+        return insert_skill(p, "clean the mug at the sinkbasin first", envs.TASK_PREFIX + task)
     count = lambda p: len(chat_ids(qtok, p))   # noqa: E731
     full, bare = count(build(30)), count(build(0))
     budget = (full + bare) // 2
     p = fit_prompt(build, 30, count, budget)
     assert p is not None and count(p) <= budget < count(build(30))
     lines = p.splitlines()
-    k = lines.index(T.TASK_PREFIX + task)
+    k = lines.index(envs.TASK_PREFIX + task)
     assert lines[k + 1] == "Skill for this task: [clean the mug at the sinkbasin first]"   # right after the task
     assert lines[-1].startswith("Now it's your turn")                                      # instructions kept
     shown = [l for l in lines if l.startswith("[Observation")]
@@ -204,7 +206,7 @@ def test_smollm2_one_step_end_to_end(algo, tmp_path, monkeypatch):
             "--save_every", "1", "--out_dir", str(tmp_path), "--run_name", algo, "--env_workers", "1"])
     run = tmp_path / algo
     row = _first_step(run)
-    tok = T.load_tokenizer(path)
+    tok = R.load_tokenizer(path)
     specials = {tok.pad_token_id, tok.eos_token_id}
     assert tok.pad_token_id != tok.eos_token_id
     samples = [s for batch in seen for s in batch]

@@ -9,7 +9,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
-from envs import EnvPool, list_games, parse_action  # noqa: E402
+import rollout as R  # noqa: E402
+import cpu_preset  # noqa: E402
+from env_backends import list_games  # noqa: E402
+from envs import EnvPool, parse_action  # noqa: E402
 from rollout import HFEngine, run_episodes, chat_ids, _PrefixTrie  # noqa: E402
 
 DATA = str(ROOT / "data" / "alfworld")
@@ -18,10 +21,10 @@ DATA = str(ROOT / "data" / "alfworld")
 @pytest.fixture(scope="module")
 def tiny():
     games = list_games(DATA, "train")[:12]
-    pairs = T.walkthrough_samples(games, 2)
-    tok = T.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
+    pairs = cpu_preset.walkthrough_samples(games, 2)
+    tok = cpu_preset.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
     torch.manual_seed(0)
-    model = T.tiny_model(len(tok), T.Args()).eval()
+    model = cpu_preset.tiny_model(len(tok), T.Args()).eval()
     return tok, model, pairs
 
 
@@ -107,13 +110,13 @@ def test_evaluation_uses_common_random_numbers(tiny, monkeypatch):
         seen.append([[a for _, a in e.steps] for e in eps])
         return eps
 
-    monkeypatch.setattr(T, "run_episodes", spy)
+    monkeypatch.setattr(R, "run_episodes", spy)
     args = T.Args(eval_repeats=3, eval_temperature=1.0, history_len=2)
     with EnvPool(num_workers=1, max_steps=4) as pool:
         for seed in (1, 2):
             torch.manual_seed(seed)          # a different training-RNG state before each evaluation
             before = torch.get_rng_state()
-            out, by_game = T.evaluate(eng, pool, games, args, constrained=True)
+            out, by_game = R.evaluate(eng, pool, games, args, constrained=True)
             assert torch.equal(torch.get_rng_state(), before)   # the training RNG is untouched
             assert out["eval/episodes"] == 6
             # two games x 3 repeats: per-game means average back to the overall success

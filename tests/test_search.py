@@ -19,11 +19,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import env_backends  # noqa: E402
 import envs  # noqa: E402
 import qa_gen  # noqa: E402
 import retrieval_server  # noqa: E402
-from envs import (EnvDataError, RetrieverError, RetrieverTimeout, exact_match, normalize_answer,  # noqa: E402
-                  parse_search_action, split_search_action)
+from env_backends import EnvDataError, RetrieverError, RetrieverTimeout  # noqa: E402
+from envs import exact_match, normalize_answer, parse_search_action, split_search_action  # noqa: E402
 from rollout import Generation, run_episodes  # noqa: E402
 
 DATA = ROOT / "data" / "search_qa"
@@ -32,12 +34,12 @@ CORPUS = str(DATA / "corpus.jsonl")
 
 @pytest.fixture(scope="module")
 def bm25():
-    return envs.BM25Retriever(CORPUS)
+    return env_backends.BM25Retriever(CORPUS)
 
 
 @pytest.fixture(scope="module")
 def qa():
-    return {r["id"]: r for split in ("train", "test") for r in envs.list_qa(str(DATA), split)}
+    return {r["id"]: r for split in ("train", "test") for r in env_backends.list_qa(str(DATA), split)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,13 +140,13 @@ def test_load_qa_search_r1_layouts(tmp_path):
          "extra_info": {"split": "test", "index": 7}},
         {"id": "test_0", "question": "q", "golden_answers": "solo", "data_source": "bamboogle"},
     ])
-    rows = envs.load_qa(p)
+    rows = env_backends.load_qa(p)
     assert rows[0] == {"id": "nq:test_0", "question": "who wrote x", "golden_answers": ["A", "B"],
                        "data_source": "nq", "task_type": "single"}
     assert rows[1]["id"] == "hotpotqa:7" and rows[1]["question"] == "Which city?"
     assert rows[1]["golden_answers"] == ["Paris"] and rows[1]["task_type"] == "multi"
     assert rows[2]["id"] == "bamboogle:test_0" and rows[2]["golden_answers"] == ["solo"]  # same raw id, other source
-    assert [r["id"] for r in envs.list_qa(str(tmp_path), "test", ["multi"])] == ["hotpotqa:7", "bamboogle:test_0"]
+    assert [r["id"] for r in env_backends.list_qa(str(tmp_path), "test", ["multi"])] == ["hotpotqa:7", "bamboogle:test_0"]
 
 
 @pytest.mark.parametrize("rows, match", [
@@ -156,32 +158,32 @@ def test_load_qa_search_r1_layouts(tmp_path):
 ])
 def test_load_qa_errors_name_file_and_record(tmp_path, rows, match):
     with pytest.raises(EnvDataError, match=match):
-        envs.load_qa(_write(tmp_path / "test.jsonl", rows))
+        env_backends.load_qa(_write(tmp_path / "test.jsonl", rows))
 
 
 def test_qa_split_and_type_errors(tmp_path):
     with pytest.raises(EnvDataError, match="no QA split file .*nope.jsonl"):
-        envs.list_qa(str(tmp_path), "nope")
+        env_backends.list_qa(str(tmp_path), "nope")
     with pytest.raises(EnvDataError, match="unknown search task types"):
-        envs.list_qa(str(DATA), "test", ["pick"])
+        env_backends.list_qa(str(DATA), "test", ["pick"])
     try:
         import pyarrow  # noqa: F401
     except ImportError:
         (tmp_path / "x.parquet").write_bytes(b"PAR1")
         with pytest.raises(EnvDataError, match="needs pyarrow"):
-            envs.load_qa(str(tmp_path / "x.parquet"))
+            env_backends.load_qa(str(tmp_path / "x.parquet"))
 
 
 def test_corpus_errors(tmp_path):
     with pytest.raises(EnvDataError, match="corpus .*missing.jsonl.* does not exist"):
-        envs.load_corpus(str(tmp_path / "missing.jsonl"))
+        env_backends.load_corpus(str(tmp_path / "missing.jsonl"))
     ok = {"id": "a", "title": "T", "text": "x"}
     with pytest.raises(EnvDataError, match=r"c.jsonl:2: invalid JSON"):
-        envs.load_corpus(_write(tmp_path / "c.jsonl", [ok, "{bad"]))
+        env_backends.load_corpus(_write(tmp_path / "c.jsonl", [ok, "{bad"]))
     with pytest.raises(EnvDataError, match="passage 2 needs 'id'"):
-        envs.load_corpus(_write(tmp_path / "c.jsonl", [ok, {"id": "b", "text": "no title"}]))
+        env_backends.load_corpus(_write(tmp_path / "c.jsonl", [ok, {"id": "b", "text": "no title"}]))
     with pytest.raises(EnvDataError, match="passage 2 repeats id 'a'"):
-        envs.load_corpus(_write(tmp_path / "c.jsonl", [ok, ok]))
+        env_backends.load_corpus(_write(tmp_path / "c.jsonl", [ok, ok]))
 
 
 def test_shipped_set_sizes_and_layout(qa):
@@ -191,7 +193,7 @@ def test_shipped_set_sizes_and_layout(qa):
     assert types.count("single") == types.count("multi") == 200       # half and half
     assert all(len(r["demo"]["queries"]) == (1 if r["task_type"] == "single" else 2) for r in qa.values())
     size = sum(os.path.getsize(DATA / f) for f in ("train.jsonl", "test.jsonl", "corpus.jsonl"))
-    assert size < 1_000_000 and len(envs.load_corpus(CORPUS)) == 170   # 10 + 40 + 80 + 40 entities
+    assert size < 1_000_000 and len(env_backends.load_corpus(CORPUS)) == 170   # 10 + 40 + 80 + 40 entities
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,14 +217,14 @@ def test_bm25_retrieves_the_gold_passage(bm25, qa):
 def test_bm25_index_is_cached_by_content(tmp_path):
     corpus = tmp_path / "c.jsonl"
     _write(corpus, [{"id": "1", "title": "Alpha", "text": "red fox"}, {"id": "2", "title": "Beta", "text": "blue whale"}])
-    first = envs.BM25Retriever(str(corpus))
+    first = env_backends.BM25Retriever(str(corpus))
     assert not first.from_cache and os.path.isdir(first.cache_dir)
-    second = envs.BM25Retriever(str(corpus))
+    second = env_backends.BM25Retriever(str(corpus))
     assert second.from_cache and second.cache_dir == first.cache_dir
     hits = second.search(["whale"], 2)
     assert hits == first.search(["whale"], 2) and [h["id"] for h in hits[0]] == ["2"]   # only Beta has "whale"
     _write(corpus, [{"id": "1", "title": "Alpha", "text": "red whale"}])   # new content: a new index
-    third = envs.BM25Retriever(str(corpus))
+    third = env_backends.BM25Retriever(str(corpus))
     assert not third.from_cache and third.cache_dir != first.cache_dir
     assert [h["id"] for h in third.search(["whale"], 2)[0]] == ["1"]
 
@@ -362,10 +364,11 @@ def test_run_episodes_drives_the_search_pool(bm25, qa):
 
 
 def test_hf_engine_stop_texts(tmp_path):
+    import cpu_preset
     import train as T
     from rollout import HFEngine
-    tok = T.train_tiny_tokenizer(["a b <search> c </search> <answer> d </answer> user assistant"], T.SEARCH_SPECIALS)
-    model = T.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
+    tok = cpu_preset.train_tiny_tokenizer(["a b <search> c </search> <answer> d </answer> user assistant"], cpu_preset.SEARCH_SPECIALS)
+    model = cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
     eng = HFEngine(model, tok, max_new_tokens=4, stop_texts=list(envs.SearchPool.stop_texts))
     assert eng.stop_ids == [tok.convert_tokens_to_ids("</search>"), tok.convert_tokens_to_ids("</answer>")]
     assert HFEngine(model, tok).stop_texts == ["</action>"]          # the ALFWorld default is unchanged
@@ -394,7 +397,7 @@ def server(bm25):
 
 def test_http_client_success_matches_in_process_bm25(server, bm25):
     url = server()
-    client = envs.HTTPRetriever(url, timeout=5)
+    client = env_backends.HTTPRetriever(url, timeout=5)
     assert client.url == url + "/retrieve"
     got = client.search(["Sorhal Corcorix", "zzzz qqqq", "Marnel"], 3)
     want = bm25.search(["Sorhal Corcorix", "zzzz qqqq", "Marnel"], 3)
@@ -421,7 +424,7 @@ def test_http_client_success_matches_in_process_bm25(server, bm25):
 
 def test_http_client_timeout_on_a_slow_server(server):
     url = server(delay=1.5)
-    client = envs.HTTPRetriever(url, timeout=0.2, retries=1, backoff=0.05)
+    client = env_backends.HTTPRetriever(url, timeout=0.2, retries=1, backoff=0.05)
     t0 = time.monotonic()
     with pytest.raises(RetrieverTimeout, match=r"127\.0\.0\.1.*failed after 2 tries"):
         client.search(["Marnel"], 3)
@@ -432,7 +435,7 @@ def test_http_client_server_down_is_a_clear_error():
     with socket.socket() as s:                          # a port that nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = envs.HTTPRetriever(f"http://127.0.0.1:{port}/retrieve", timeout=1, retries=2, backoff=0.2)
+    client = env_backends.HTTPRetriever(f"http://127.0.0.1:{port}/retrieve", timeout=1, retries=2, backoff=0.2)
     t0 = time.monotonic()
     with pytest.raises(RetrieverError, match=rf"127\.0\.0\.1:{port}/retrieve failed after 3 tries.*running") as e:
         client.search(["x"], 3)
@@ -473,13 +476,14 @@ def test_generator_verification_catches_broken_demos(tmp_path, bm25, qa):
 
 
 def test_search_defaults_apply_unless_given():
+    import cpu_preset
     import train as T
     a = T.parse_args(["--env", "search"])
     assert (a.data_root, a.eval_split, a.max_turns, a.history_len, a.p_fmt, a.r_win, a.c_kl, a.constrained) == \
         ("data/search_qa", "test", 4, 4, 0.01, 1.0, 0.001, False)
     a = T.parse_args(["--env", "search", "--max_turns", "3", "--p_fmt=0.5", "--c_kl", "0.001", "--history_l", "2"])
     assert (a.max_turns, a.p_fmt, a.history_len, a.r_win) == (3, 0.5, 2, 1.0)   # given (even abbreviated) wins
-    assert T.parse_args([]).max_turns == T.TINY_DEFAULTS["max_turns"]                # ALFWorld untouched
+    assert T.parse_args([]).max_turns == cpu_preset.TINY_DEFAULTS["max_turns"]                # ALFWorld untouched
     assert T.parse_args(["--model", "org/real"]).max_turns == T.Args().max_turns
     with pytest.raises(SystemExit, match="--env"):
         T.parse_args(["--env", "webshop"])

@@ -13,6 +13,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
+import distributed as D  # noqa: E402
+import rollout as R  # noqa: E402
+import cpu_preset  # noqa: E402
 
 TINY = ["--sft_steps", "40", "--steps", "2", "--tasks_per_step", "2", "--group_size", "2",
         "--eval_games", "2", "--max_turns", "4", "--mini_batch", "8", "--micro_batch", "4",
@@ -23,7 +26,7 @@ TINY = ["--sft_steps", "40", "--steps", "2", "--tasks_per_step", "2", "--group_s
 def _state(run: Path):
     """The run's newest complete checkpoint read whole in this process (tests only): step, rng, extra, model, optim."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    d = T.checkpoints(run)[0]
+    d = D.checkpoints(run)[0]
     with tempfile.TemporaryDirectory() as t:
         dcp_to_torch_save(d, Path(t) / "whole.pt")
         whole = torch.load(Path(t) / "whole.pt", map_location="cpu", weights_only=False)
@@ -66,11 +69,11 @@ def test_resume_refuses_a_checkpoint_of_another_algo(tmp_path):
     (ck / "COMPLETE").write_text("{}")
     with pytest.raises(SystemExit, match=r"--algo grpo but this run has --algo rsipo"):
         T.main(["--algo", "rsipo", "--out_dir", str(tmp_path), "--run_name", "r"])
-    T.check_resume(tmp_path / "r", T.Args(algo="grpo", steps=99))   # same core flags: accepted
+    D.check_resume(tmp_path / "r", T.Args(algo="grpo", steps=99))   # same core flags: accepted
 
 
 def test_collate_masks_exactly_the_response_tokens():
-    ids, attn, tgt, mask = T.collate([([5, 6, 7], [8, 9]), ([5], [8])], pad_id=0, device="cpu")
+    ids, attn, tgt, mask = R.collate([([5, 6, 7], [8, 9]), ([5], [8])], pad_id=0, device="cpu")
     # prompts left-padded to P = 3, responses right-padded to R = 2: both responses start at column 3
     assert ids.tolist() == [[5, 6, 7, 8, 9], [0, 0, 5, 8, 0]]
     assert attn.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
@@ -82,10 +85,10 @@ def test_response_logprobs_equal_the_full_forward_of_each_sequence_alone():
     # logits at the response positions only (left-padded prompts, explicit positions) must give the same
     # log-probs as a plain forward of each unpadded sequence: the trainer's ℓ is what the sampler saw
     torch.manual_seed(0)
-    model = T.tiny_model(50, T.Args(tiny_hidden=32)).eval()
+    model = cpu_preset.tiny_model(50, T.Args(tiny_hidden=32)).eval()
     samples = [([1, 2, 3, 4, 5, 6], [7, 8]), ([9, 3], [4, 5, 6, 7]), ([2], [3])]
-    ids, attn, tgt, mask = T.collate(samples, pad_id=0, device="cpu")
-    lp, ent = T.token_logprobs_of(model, ids, attn, tgt, with_entropy=True)
+    ids, attn, tgt, mask = R.collate(samples, pad_id=0, device="cpu")
+    lp, ent = R.token_logprobs_of(model, ids, attn, tgt, with_entropy=True)
     assert lp.shape == (3, 4) and ent.shape == (3, 4)
     for b, (p, r) in enumerate(samples):
         x = torch.tensor([p + r])
@@ -179,20 +182,22 @@ def test_torchrun_two_cpu_ranks(tmp_path, algo):
 UNEVEN_UPDATE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
+import cpu_preset
+import distributed as D
 import train as T
-T.RANK, T.WORLD = T.dist_setup()
+D.setup()
 args = T.Args(tiny_hidden=32, c_kl=0.01, c_ent=0.001, micro_batch=2, mini_batch=8)
 torch.manual_seed(0)
-model = T.shard(T.tiny_model(50, args))
+model = D.shard(cpu_preset.tiny_model(50, args))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ref = torch.full((2,), -4.0)
 # rank 0: two student turns and one skill sample, all with a reference; rank 1: nothing at all
 # (its groups were all-fail or all-win and --drop_zero_adv dropped them; it wrote no skill)
 mine = [T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0), ref),
         T.Sample([1, 2], [6, 7], -1.0, torch.full((2,), -3.0), ref),
-        T.Sample([3, 4], [8, 9], 0.5, torch.full((2,), -3.0), ref, skill=True)] if T.RANK == 0 else []
+        T.Sample([3, 4], [8, 9], 0.5, torch.full((2,), -3.0), ref, skill=True)] if D.RANK == 0 else []
 m = T.update(model, opt, mine, args, pad_id=0, device="cpu", use_teacher=False)
-open(sys.argv[2] + f"/rank{T.RANK}.json", "w").write(json.dumps(m))
+open(sys.argv[2] + f"/rank{D.RANK}.json", "w").write(json.dumps(m))
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
 """
@@ -219,7 +224,7 @@ def test_two_ranks_where_one_runs_only_dummy_micro_batches_with_kl_on(tmp_path):
 def test_nan_loss_skips_the_optimizer_step_and_keeps_parameters():
     args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8)
     torch.manual_seed(0)
-    model = T.tiny_model(50, args)
+    model = cpu_preset.tiny_model(50, args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     s = T.Sample([1, 2, 3], [4, 5], float("nan"), torch.zeros(2))   # a NaN advantage → NaN loss
@@ -236,7 +241,7 @@ def test_nan_loss_skips_the_optimizer_step_and_keeps_parameters():
 def test_lr_warmup_ramps_with_adams_own_step_count():
     args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8, lr=1e-3, lr_warmup=4)
     torch.manual_seed(0)
-    model = T.tiny_model(50, args)
+    model = cpu_preset.tiny_model(50, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     s = T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0))
     lrs = [T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)["update/lr"] for _ in range(5)]
@@ -247,18 +252,19 @@ def test_lr_warmup_ramps_with_adams_own_step_count():
 def test_tiny_tokenizer_round_trips_through_a_saved_checkpoint(tmp_path):
     # AutoTokenizer would rebuild a saved tiny tokenizer as Qwen2's BPE class (other ids);
     # load_tokenizer must give back exactly the ids the policy was trained with.
-    tok = T.train_tiny_tokenizer(["go to desk 1", "take mug 1 from desk 1 <think> </think> <action> </action>"])
+    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1", "take mug 1 from desk 1 <think> </think> <action> </action>"])
     tok.save_pretrained(tmp_path)
-    back = T.load_tokenizer(str(tmp_path))
+    back = R.load_tokenizer(str(tmp_path))
     s = "<think> </think> <action> take mug 1 from desk 1 </action>"
     assert back.encode(s, add_special_tokens=False) == tok.encode(s, add_special_tokens=False)
-    assert T.chat_ids(back, "go to desk 1") == T.chat_ids(tok, "go to desk 1")
+    assert R.chat_ids(back, "go to desk 1") == R.chat_ids(tok, "go to desk 1")
     assert back.eos_token_id == tok.eos_token_id and back.pad_token_id == tok.pad_token_id
 
 
 def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path):
-    from envs import PROMPT_PHRASES, SEARCH_PHRASES, build_prompt, build_search_prompt
-    from skills import ANALYZER_PHRASES, SKILL_PREFIX, analyzer_prompt, insert_skill
+    from cpu_preset import ANALYZER_PHRASES, PROMPT_PHRASES, SEARCH_PHRASES
+    from envs import build_prompt, build_search_prompt
+    from skills import SKILL_PREFIX, analyzer_prompt, insert_skill
     intro = ("-= Welcome to TextWorld, ALFRED! =- You are in the middle of a room. Looking quickly around you, "
              "you see a desk 1, and a shelf 1. Your task is to: put a mug in shelf.")
     alf = build_prompt("put a mug in shelf.", "You arrive at desk 1.", ["go to shelf 1", "take mug 1 from desk 1"],
@@ -274,8 +280,8 @@ def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path
         assert p in search, p
     for p in ANALYZER_PHRASES:
         assert p in an + alf, p
-    tok = T.train_tiny_tokenizer([alf, an, "user assistant"])
-    words = T.train_tiny_tokenizer([alf, an, "user assistant"], phrases=())
+    tok = cpu_preset.train_tiny_tokenizer([alf, an, "user assistant"])
+    words = cpu_preset.train_tiny_tokenizer([alf, an, "user assistant"], phrases=())
     ids = tok.encode(alf, add_special_tokens=False)
     toks = tok.convert_ids_to_tokens(ids)
     in_prompt = PROMPT_PHRASES + (SKILL_PREFIX.strip(),)   # "Skill for this task:"
@@ -293,15 +299,15 @@ def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path
     assert tok.encode(r, add_special_tokens=False) == [tok.convert_tokens_to_ids(w) for w in r.split()]
     assert tok.decode(tok.encode(r, add_special_tokens=False)) == r
     tok.save_pretrained(tmp_path)
-    assert T.load_tokenizer(str(tmp_path)).encode(alf, add_special_tokens=False) == ids
+    assert R.load_tokenizer(str(tmp_path)).encode(alf, add_special_tokens=False) == ids
 
 
 def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
-    from envs import list_games
+    from env_backends import list_games
     games = list_games(str(ROOT / "data" / "alfworld"), "train")[:2]
     extra = sorted((ROOT / "data" / "alfworld_sft").glob("json_2.1.1/*/*/*/walkthrough.json"))[:3]
-    own = T.walkthrough_samples(games, 2)
-    both = T.walkthrough_samples(games + [str(p) for p in extra], 2)
+    own = cpu_preset.walkthrough_samples(games, 2)
+    both = cpu_preset.walkthrough_samples(games + [str(p) for p in extra], 2)
     # one sample per walkthrough step with an action
     n_extra = sum(sum(s["action"] is not None for s in json.loads(p.read_text())["steps"]) for p in extra)
     assert n_extra > 0 and len(both) == len(own) + n_extra
@@ -329,10 +335,10 @@ def test_sft_micro_batches_give_the_whole_batch_gradient():
     # tokens, so loss and gradient must equal the single padded batch's token mean.
     args = T.Args(tiny_hidden=32)
     torch.manual_seed(0)
-    model = T.tiny_model(50, args)
+    model = cpu_preset.tiny_model(50, args)
     batch = [(list(range(1, 25)), [5, 6, 7, 8, 9, 10]), ([3, 4], [5, 6]), ([1, 2, 3, 4], [7, 8, 9]),
              ([2] * 8, [9, 8, 7, 6])]
-    assert T.micro_batches(sorted(len(p) + len(r) for p, r in batch), 4, 16) == [[0, 1], [2], [3]]
+    assert D.micro_batches(sorted(len(p) + len(r) for p, r in batch), 4, 16) == [[0, 1], [2], [3]]
 
     def grads(micro_tokens):
         model.zero_grad(set_to_none=True)
@@ -342,8 +348,8 @@ def test_sft_micro_batches_give_the_whole_batch_gradient():
     whole, g_whole = grads(0)
     split, g_split = grads(16)
     # the reference: the token mean of the padded batch computed directly
-    ids, attn, tgt, mask = T.collate(batch, 0, "cpu")
-    lp, _ = T.token_logprobs_of(model, ids, attn, tgt)
+    ids, attn, tgt, mask = R.collate(batch, 0, "cpu")
+    lp, _ = R.token_logprobs_of(model, ids, attn, tgt)
     assert mask.sum() == 15
     assert whole == pytest.approx(float(-(lp * mask).sum() / 15), rel=1e-5)
     assert split == pytest.approx(whole, rel=1e-5)
@@ -355,11 +361,11 @@ def test_paired_gain_over_games():
     # d = (1/3 − 0, 1 − 2/3, 0 − 0, 2/3 − 1/3) = (1/3, 1/3, 0, 1/3); game "x" was played once only
     start = {"a": 0.0, "b": 2 / 3, "c": 0.0, "d": 1 / 3, "x": 1.0}
     end = {"a": 1 / 3, "b": 1.0, "c": 0.0, "d": 2 / 3}
-    g, se, n = T.paired_gain(start, end)
+    g, se, n = R.paired_gain(start, end)
     assert n == 4 and g == pytest.approx(0.25)
     # deviations (1/12, 1/12, −1/4, 1/12): Σ² = 3/144 + 9/144 = 1/12; var = (1/12)/3 = 1/36; se = (1/6)/2
     assert se == pytest.approx(1 / 12)
-    assert T.paired_gain({"a": 0.5}, {"a": 1.0})[:1] == (0.5,) and T.paired_gain({}, {})[2] == 0
+    assert R.paired_gain({"a": 0.5}, {"a": 1.0})[:1] == (0.5,) and R.paired_gain({}, {})[2] == 0
 
 
 def test_score_tokens_keeps_no_graph():
@@ -367,17 +373,17 @@ def test_score_tokens_keeps_no_graph():
     # with a model whose parameters require grad must return tensors without a graph (a kept graph per
     # turn exhausted 24 GB in the skill probe)
     torch.manual_seed(0)
-    model = T.tiny_model(50, T.Args(tiny_hidden=32))
+    model = cpu_preset.tiny_model(50, T.Args(tiny_hidden=32))
     assert all(p.requires_grad for p in model.parameters())
-    out = T.score_tokens(model, [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])], pad_id=0, device="cpu", micro_batch=1)
+    out = R.score_tokens(model, [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])], pad_id=0, device="cpu", micro_batch=1)
     assert [o.shape[0] for o in out] == [2, 3]
     assert not any(o.requires_grad for o in out) and all(o.grad_fn is None for o in out)
 
 
 def test_threads_respect_omp_num_threads():
-    assert T.cpu_threads(2, {"OMP_NUM_THREADS": "3"}) == 3           # the user's choice stands
-    assert T.cpu_threads(2, {}) == max(1, (os.cpu_count() or 2) // 2)  # else the cores shared out over ranks
-    assert T.cpu_threads(1, {"OMP_NUM_THREADS": "0"}) == max(1, os.cpu_count() or 2)
+    assert D.cpu_threads(2, {"OMP_NUM_THREADS": "3"}) == 3           # the user's choice stands
+    assert D.cpu_threads(2, {}) == max(1, (os.cpu_count() or 2) // 2)  # else the cores shared out over ranks
+    assert D.cpu_threads(1, {"OMP_NUM_THREADS": "0"}) == max(1, os.cpu_count() or 2)
 
 
 def test_real_models_get_the_released_settings_and_tiny_its_own(capsys):
@@ -403,7 +409,7 @@ def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monke
     # On one GPU without torchrun, --dtype auto used to load bf16 weights, and AdamW at lr 1e-6 then changed
     # ~2% of them per step. Now every path loads fp32 master weights; bf16 is FSDP2's compute dtype.
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    tok = T.train_tiny_tokenizer(["go to desk 1"])
+    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1"])
     Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2)).to(torch.bfloat16).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
@@ -419,10 +425,10 @@ def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monke
 
 def test_tokenizer_without_chat_template_or_pad_token(tmp_path):
     from transformers import PreTrainedTokenizerFast
-    tok = T.train_tiny_tokenizer(["go to desk 1 <|endoftext|>"], extra_specials=["<|endoftext|>"])
+    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1 <|endoftext|>"], extra_specials=["<|endoftext|>"])
     tok.pad_token = tok.eos_token                      # pad = EOS, as SmolLM2 ships
     tok.save_pretrained(tmp_path / "ok")
-    back = T.load_tokenizer(str(tmp_path / "ok"))
+    back = R.load_tokenizer(str(tmp_path / "ok"))
     assert back.pad_token == "<|endoftext|>" and back.pad_token_id != back.eos_token_id   # a pad that is not EOS
     tok.chat_template = None
     tok.save_pretrained(tmp_path / "plain")
@@ -432,18 +438,33 @@ def test_tokenizer_without_chat_template_or_pad_token(tmp_path):
     cfg.pop("chat_template", None)
     (tmp_path / "plain" / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(SystemExit, match="--model .* no chat template"):
-        T.load_tokenizer(str(tmp_path / "plain"))
+        R.load_tokenizer(str(tmp_path / "plain"))
     from tokenizers import Tokenizer, models
     bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<|im_end|>": 1}, "a")),
                                    eos_token="<|im_end|>", pad_token="<|im_end|>")   # nothing else to pad with
     with pytest.raises(SystemExit, match="no pad token other than EOS"):
-        T.ensure_pad(bare, "m")
+        R.ensure_pad(bare, "m")
 
 
 def test_sampler_gap_over_tokens_and_none_without_tokens():
     old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
     sampler = [[-1.0, -2.5], [-0.25]]
-    g = T.sampler_gap(list(zip(old, sampler)))
+    g = R.sampler_gap(list(zip(old, sampler)))
     # |Δ| = 0, 0.5, 0.25 → max 0.5, mean 0.25 over 3 tokens
     assert g == {"rollout/logp_diff_max": 0.5, "rollout/logp_diff_mean": 0.25, "rollout/logp_diff_tokens": 3}
-    assert T.sampler_gap([]) == {}
+    assert R.sampler_gap([]) == {}
+
+
+def test_a_turn_without_teacher_log_probs_gets_no_opsd_gradient():
+    # a turn of a trusted task (λ = 0.8) whose teacher prompt did not fit the budget has no ℓ^T: it must
+    # train exactly as with λ = 0 (before, ℓ^T := ℓ with λ = 0.8 still raised its tokens by 0.8·σ(0)·∇ℓ)
+    args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8, alpha=1.0)
+
+    def grads(trust):
+        torch.manual_seed(0)
+        model = cpu_preset.tiny_model(50, args)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        s = T.Sample([1, 2, 3], [4, 5], 0.5, torch.full((2,), -3.0), trust=trust)   # teacher None
+        T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=True)
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(grads(0.8), grads(0.0)))

@@ -29,6 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
+import distributed as D  # noqa: E402
+import rollout as R  # noqa: E402
+import cpu_preset  # noqa: E402
 from rollout import STOP_TEXT, VLLMEngine, chat_ids  # noqa: E402
 
 
@@ -167,7 +170,7 @@ def fake_vllm(monkeypatch):
 @pytest.fixture(scope="module")
 def tok():
     texts = ["go to desk 1 take apple 1 from desk 1 done", "user assistant <think> </think> <action> </action>"]
-    return T.train_tiny_tokenizer(texts)
+    return cpu_preset.train_tiny_tokenizer(texts)
 
 
 def ids_of(tok, text):
@@ -362,7 +365,7 @@ class Shard:
 @pytest.mark.parametrize("runner", ["v2", "v1"])
 def test_weight_sync_pushes_every_parameter_once_with_names_and_full_shapes(fake_vllm, tok, runner, monkeypatch):
     monkeypatch.setattr(FakeLLM, "runner", runner)   # the GPU default (V2) and the V1 / CPU runner
-    model = T.tiny_model(len(tok), T.Args(tiny_hidden=32, tiny_layers=2))
+    model = cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32, tiny_layers=2))
     params = list(model.named_parameters())     # tied embeddings: lm_head is not listed again
     assert "lm_head.weight" not in dict(params)
     eng = make(tok)
@@ -458,7 +461,7 @@ def test_other_vllm_version_warns(fake_vllm, tok):
 # ------------------------------------------------------------------------------------------------
 
 def test_micro_batches_by_count_and_by_token_budget():
-    mb = T.micro_batches
+    mb = D.micro_batches
     assert mb([5, 5, 5, 5, 5], 2) == [[0, 1], [2, 3], [4]]          # by count (the CPU default)
     # budget 12 padded tokens: [3,4] → 2 x 4 = 8; adding 10 → 3 x 10 = 30 > 12; [10] alone; [2,2] → 4
     assert mb([3, 4, 10, 2, 2], 32, 12) == [[0, 1], [2], [3, 4]]
@@ -468,11 +471,11 @@ def test_micro_batches_by_count_and_by_token_budget():
 
 def test_score_tokens_by_token_budget_keeps_sample_order(tok):
     torch.manual_seed(0)
-    m = T.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
+    m = cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
     S = [(ids_of(tok, "go to desk 1"), ids_of(tok, "take apple")), (ids_of(tok, "go"), ids_of(tok, "desk 1 take apple 1")),
          (ids_of(tok, "go to desk 1 take apple go to"), ids_of(tok, "go"))]
-    a = T.score_tokens(m, S, tok.pad_token_id, "cpu", 32)
-    b = T.score_tokens(m, S, tok.pad_token_id, "cpu", 1, micro_tokens=8)   # sorted by length, 3 forwards
+    a = R.score_tokens(m, S, tok.pad_token_id, "cpu", 32)
+    b = R.score_tokens(m, S, tok.pad_token_id, "cpu", 1, micro_tokens=8)   # sorted by length, 3 forwards
     assert [len(x) for x in b] == [2, 5, 1]
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
 

@@ -1,6 +1,6 @@
 """Generate the project's small search-QA set: a seeded fictional world, its passages, and single-
 and two-hop questions with engine-verified gold search trajectories (the ALFWorld analogue is
-alfworld_gen.py and its walkthroughs).
+scripts/alfworld_gen.py and its walkthroughs).
 
 Contract
 --------
@@ -9,7 +9,7 @@ Contract
   birthplace, birth year and occupation; a company a founder, headquarters city, founding year and
   product. One passage per entity (`corpus.jsonl`: id, title, text).
 * Questions (Search-R1 layout, `train.jsonl` / `test.jsonl`): `id`, `question`, `golden_answers`,
-  `data_source` (`gen_single` → task type single, `gen_multi` → multi, see envs.SEARCH_TASK_TYPES)
+  `data_source` (`gen_single` → task type single, `gen_multi` → multi, see env_backends.SEARCH_TASK_TYPES)
   and `demo` = {"queries": [...], "answer": ...}: the gold trajectory (one query per hop: the
   entity's name; then the answer).
 * Verification: every demonstration is played through `envs.SearchEnv` with the BM25 retriever
@@ -26,8 +26,8 @@ Choices, all **[ours]**:
 3. Output is byte-identical for the same arguments (sorted keys, fixed order; a test checks the
    shipped files against a fresh generation).
 
-Run:    python qa_gen.py --out data/search_qa            (defaults: seed 0, 300 train, 100 test)
-Check:  python qa_gen.py --out data/search_qa --verify
+Run:    python scripts/qa_gen.py --out data/search_qa    (defaults: seed 0, 300 train, 100 test)
+Check:  python scripts/qa_gen.py --out data/search_qa --verify
 Test:   python -m pytest -q tests/test_search.py -k gen
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ import json
 import os
 import random
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 SYLLABLES = ["ka", "lo", "ven", "mar", "tis", "dra", "bel", "sor", "qui", "nel", "vash", "tor", "mi",
              "zan", "rho", "pel", "gar", "lun", "esk", "fa", "bro", "yel", "cor", "dun", "hal", "ix",
@@ -167,17 +169,18 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def generate(out: str, seed: int = 0, n_train: int = 300, n_test: int = 100, top_k: int = 3) -> dict:
-    import envs
+    from env_backends import SEARCH_TASK_TYPES, BM25Retriever
+    from envs import SearchEnv
     os.makedirs(out, exist_ok=True)
     world = make_world(seed)
     corpus = passages(world)
     _write_jsonl(os.path.join(out, "corpus.jsonl"), corpus)
-    env = envs.SearchEnv(envs.BM25Retriever(os.path.join(out, "corpus.jsonl")), top_k=top_k, max_turns=4)
+    env = SearchEnv(BM25Retriever(os.path.join(out, "corpus.jsonl")), top_k=top_k, max_turns=4)
     kept, dropped = [], 0
     for q in candidates(world, seed):
         if len(kept) == n_train + n_test:
             break
-        rec = dict(q, id="", task_type=envs.SEARCH_TASK_TYPES[q["data_source"]])
+        rec = dict(q, id="", task_type=SEARCH_TASK_TYPES[q["data_source"]])
         if verify(rec, env) is None:
             kept.append(q)
         else:
@@ -192,11 +195,12 @@ def generate(out: str, seed: int = 0, n_train: int = 300, n_test: int = 100, top
 
 def verify_dir(out: str, top_k: int = 3) -> list[str]:
     """Re-play every shipped demonstration; returns the failures (empty: all good)."""
-    import envs
-    env = envs.SearchEnv(envs.BM25Retriever(os.path.join(out, "corpus.jsonl")), top_k=top_k, max_turns=4)
+    from env_backends import BM25Retriever, list_qa
+    from envs import SearchEnv
+    env = SearchEnv(BM25Retriever(os.path.join(out, "corpus.jsonl")), top_k=top_k, max_turns=4)
     bad = []
     for split in ("train", "test"):
-        for q in envs.list_qa(out, split):
+        for q in list_qa(out, split):
             why = verify(q, env)
             if why:
                 bad.append(f"{q['id']}: {why}")

@@ -1,18 +1,21 @@
-"""Benchmark of search-QA retrieval (envs.py): latency of the in-process BM25 retriever and of the
+"""Benchmark of search-QA retrieval (env_backends.py): latency of the in-process BM25 retriever and of the
 HTTP client against retrieval_server.py on loopback (the same BM25 behind it), per query, for a
 batch of queries (the questions of the shipped test split) and for single queries.
 
-Run:  python bench_search.py [--data data/search_qa] [--batch 64] [--repeats 20] [--k 3]
+Run:  python scripts/bench_search.py [--data data/search_qa] [--batch 64] [--repeats 20] [--k 3]
 Reports the median over `repeats` calls (the first call, which warms caches, is not counted).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import envs
-import retrieval_server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+import env_backends  # noqa: E402
+import retrieval_server  # noqa: E402  (scripts/, beside this file)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -32,12 +35,12 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--k", type=int, default=3)
     a = p.parse_args(argv)
-    questions = [q["question"] for q in envs.list_qa(a.data, "test")]
+    questions = [q["question"] for q in env_backends.list_qa(a.data, "test")]
     batch = (questions * (a.batch // len(questions) + 1))[:a.batch]
-    bm25 = envs.BM25Retriever(f"{a.data}/corpus.jsonl")
+    bm25 = env_backends.BM25Retriever(f"{a.data}/corpus.jsonl")
     server = retrieval_server.make_server(bm25, "127.0.0.1", 0)
     retrieval_server.serve_in_thread(server)
-    http = envs.HTTPRetriever(f"http://127.0.0.1:{server.server_address[1]}", timeout=10)
+    http = env_backends.HTTPRetriever(f"http://127.0.0.1:{server.server_address[1]}", timeout=10)
     try:
         for name, r in (("bm25 in-process", bm25), ("http loopback", http)):
             b = _median_ms(lambda: r.search(batch, a.k), a.repeats)

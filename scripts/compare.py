@@ -8,8 +8,8 @@ in RL and the spread of `after warm start` over seeds is the evaluation noise. R
 finished are reused (their summary.json), so an interrupted comparison resumes. Writes <out>/compare.md (table), <out>/compare.json and
 <out>/compare.png (held-out success, and training success against environment steps).
 
-    python compare.py                                    # 3 seeds x grpo/opsd/rsipo, tiny default (README)
-    python compare.py --seeds 0 --algos grpo,rsipo --env_steps 4000 -- --steps 40   # extra train.py flags after --
+    python scripts/compare.py                            # 3 seeds x grpo/opsd/rsipo, tiny default (README)
+    python scripts/compare.py --seeds 0 --algos grpo,rsipo --env_steps 4000 -- --steps 40   # extra train.py flags after --
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository root: train.py runs there, as in the README
 TYPES = ["pick", "look", "clean", "heat", "cool", "pick2"]
 
 
@@ -32,10 +32,10 @@ def warm_start(a, extra: list[str]) -> list[str]:
     if a.warm_start == "auto":
         path = Path(a.out) / "warm_start" / "warm_start"
         if not (Path(a.out) / "warm_start" / "summary.json").exists():
-            cmd = [sys.executable, str(HERE / "train.py"), "--algo", "rsipo", "--steps", "0", "--seed", "0",
+            cmd = [sys.executable, str(ROOT / "train.py"), "--algo", "rsipo", "--steps", "0", "--seed", "0",
                    "--out_dir", a.out, "--run_name", "warm_start", *extra]
             print("warm start:", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True, cwd=HERE)
+            subprocess.run(cmd, check=True, cwd=ROOT)
     if not (path / "config.json").exists():
         raise SystemExit(f"error: --warm_start {path}: not a Hugging Face model folder (no config.json)")
     # a tiny-preset checkpoint gets the tiny preset's settings by itself (train.is_tiny); flags given after
@@ -47,10 +47,10 @@ def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
     name = f"{algo}_s{seed}"
     summary = Path(a.out) / name / "summary.json"
     if not summary.exists():
-        cmd = [sys.executable, str(HERE / "train.py"), "--algo", algo, "--seed", str(seed), "--steps", str(a.max_steps),
+        cmd = [sys.executable, str(ROOT / "train.py"), "--algo", algo, "--seed", str(seed), "--steps", str(a.max_steps),
                "--max_env_steps", str(a.env_steps), "--out_dir", a.out, "--run_name", name, *extra]
         print("running:", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=HERE)
+        subprocess.run(cmd, check=True, cwd=ROOT)
     s = json.loads(summary.read_text())
     rows = [json.loads(l) for l in (Path(a.out) / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
     s["curve"] = [(r["train/env_steps_total"], r["train/success"]) for r in rows if "train/env_steps_total" in r]
@@ -82,7 +82,7 @@ def main(argv=None):
     res = {algo: [run_one(algo, s, a, flags) for s in seeds] for algo in algos}
 
     lines = [f"Held-out success (%), mean ± std over seeds {seeds}, {a.env_steps} env steps per run "
-             f"(`python compare.py --algos {a.algos} --seeds {a.seeds} --env_steps {a.env_steps} --warm_start {a.warm_start}"
+             f"(`python scripts/compare.py --algos {a.algos} --seeds {a.seeds} --env_steps {a.env_steps} --warm_start {a.warm_start}"
              f"{' -- ' + ' '.join(extra) if extra else ''}`)", "",
              "| algo | after warm start | after RL | gain (paired) | " + " | ".join(TYPES) + " | RL steps |",
              "|---" * (5 + len(TYPES)) + "|"]

@@ -1,9 +1,10 @@
-"""Benchmark of the ALFWorld environment (envs.py): load + reset time, and env steps per second for
-one in-process AlfWorldEnv and for an EnvPool of worker processes, playing random admissible
-actions (fixed seed) on the shipped games until each episode ends (win or max_steps).
+"""Benchmark of the ALFWorld environment (envs.py, env_backends.py): load + reset time, and env
+steps per second for one in-process AlfWorldEnv and for an EnvPool of worker processes, playing
+random admissible actions (fixed seed) on the shipped games until each episode ends (win or
+max_steps).
 
-Run:  python bench_env.py [--data data/alfworld] [--split train] [--games 12] [--batch 16]
-                          [--workers 2] [--max_steps 50] [--seed 0]
+Run:  python scripts/bench_env.py [--data data/alfworld] [--split train] [--games 12] [--batch 16]
+                                  [--workers 2] [--max_steps 50] [--seed 0]
 Numbers depend on the room size: data/alfworld holds small rooms (5-8 receptacles),
 data/alfworld_full full-size ones.
 """
@@ -11,18 +12,22 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
 
-import envs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+import env_backends  # noqa: E402
+import envs  # noqa: E402
 
 
 def bench_single(games, max_steps, seed):
     """Cold load+reset, warm reset and steps/s of one AlfWorldEnv (its own, empty game cache)."""
     rng = random.Random(seed)
-    envs._engine_class()  # imports textworld, so that the next line times the library copy only
+    env_backends._engine_class()  # imports textworld, so that the next line times the library copy only
     t = time.perf_counter()
-    env = envs.AlfWorldEnv(max_steps=max_steps, cache=envs.GameCache())
-    env._engine = envs._make_engine()  # count the library copy separately from the first load
+    env = envs.AlfWorldEnv(max_steps=max_steps, cache=env_backends.GameCache())
+    env._engine = env_backends._make_engine()  # count the library copy separately from the first load
     engine_s = time.perf_counter() - t
     cold, warm, steps, step_s = [], [], 0, 0.0
     for g in games:
@@ -80,10 +85,10 @@ def main(argv=None):
     p.add_argument("--max_steps", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    all_games = envs.list_games(a.data, a.split)
+    all_games = env_backends.list_games(a.data, a.split)
     by_type: dict[str, list[str]] = {}
     for g in all_games:
-        by_type.setdefault(envs.game_task_type(g), []).append(g)
+        by_type.setdefault(env_backends.game_task_type(g), []).append(g)
     games = [by_type[t][k] for k in range(len(all_games)) for t in sorted(by_type)
              if k < len(by_type[t])][:a.games]
 

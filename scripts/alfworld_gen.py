@@ -37,13 +37,13 @@ Choices and deviations, all **[ours]**:
    declares only the types it uses, to keep each game small.
 **Numbers on these games are not comparable to published ALFWorld numbers.**
 
-Run:  python alfworld_gen.py --out data/alfworld --room small --train 120 --valid_seen 36 \
+Run:  python scripts/alfworld_gen.py --out data/alfworld --room small --train 120 --valid_seen 36 \
           --valid_unseen 60 --seed 0
 Verify the whole set (every walkthrough replayed in the engine):
-      python alfworld_gen.py --out data/alfworld --verify
+      python scripts/alfworld_gen.py --out data/alfworld --verify
 Warm-start data of the tiny preset [ours] (walkthroughs only, no game files, other seed; every one
 was won by the expert in the engine while it was generated; train scenes only):
-      python alfworld_gen.py --out data/alfworld_sft --walkthroughs_only --train 480 --valid_seen 0 \
+      python scripts/alfworld_gen.py --out data/alfworld_sft --walkthroughs_only --train 480 --valid_seen 0 \
           --valid_unseen 0 --seed 1
 Test: pytest tests/test_alfworld_gen.py
 """

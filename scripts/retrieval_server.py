@@ -1,7 +1,7 @@
-"""A small retrieval server that speaks the Search-R1 protocol, serving envs.BM25Retriever over a
+"""A small retrieval server that speaks the Search-R1 protocol, serving env_backends.BM25Retriever over a
 JSONL corpus (stdlib `http.server`; no web framework).
 
-Protocol (the one of Search-R1's `search_r1/search/retrieval_server.py`, so `envs.HTTPRetriever`
+Protocol (the one of Search-R1's `search_r1/search/retrieval_server.py`, so `env_backends.HTTPRetriever`
 talks to either server):
     POST /retrieve  {"queries": ["...", ...], "topk": 3, "return_scores": true}
     200             {"result": [[{"document": {"id": "...", "contents": "\\"Title\\"\\ntext"},
@@ -16,7 +16,7 @@ Choices, all **[ours]**:
 3. Threaded (one thread per request); BM25 retrieval is read-only, so requests need no lock.
    Requests over 1 MB, more than 1024 queries or topk outside 1..100 are refused (400).
 
-Run:   python retrieval_server.py --corpus data/search_qa/corpus.jsonl --port 8000
+Run:   python scripts/retrieval_server.py --corpus data/search_qa/corpus.jsonl --port 8000
 Use:   python train.py --env search --retriever_url http://127.0.0.1:8000
 Test:  python -m pytest -q tests/test_search.py -k http
 """
@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
 MAX_BODY = 1 << 20
 MAX_QUERIES = 1024
@@ -101,7 +105,7 @@ def serve_in_thread(server: ThreadingHTTPServer) -> threading.Thread:
 
 
 def main(argv=None) -> None:
-    from envs import BM25Retriever
+    from env_backends import BM25Retriever
     p = argparse.ArgumentParser(description="Search-R1-protocol retrieval server over a JSONL corpus (BM25)")
     p.add_argument("--corpus", default="data/search_qa/corpus.jsonl", help="JSONL of {id, title, text}")
     p.add_argument("--host", default="127.0.0.1")

@@ -5,9 +5,9 @@ seed, same task sampler) with evaluation off, reads the per-step timings that th
 (`time/<section>` in metrics.jsonl), drops the first step (warm-up), and prints a table; the
 figures are saved as JSON.
 
-    python bench.py                                   # tiny model, grpo and rsipo, 3 steps each
-    python bench.py --model Qwen/Qwen2.5-0.5B-Instruct --algos grpo --steps 2 --max_new_tokens 64
-    python bench.py -- --opsd_keep 0.3                # train.py flags after `--` go to every run
+    python scripts/bench.py                           # tiny model, grpo and rsipo, 3 steps each
+    python scripts/bench.py --model Qwen/Qwen2.5-0.5B-Instruct --algos grpo --steps 2 --max_new_tokens 64
+    python scripts/bench.py -- --opsd_keep 0.3        # train.py flags after `--` go to every run
 
 Rollout tokens/s = generated response tokens / rollout seconds. Update tokens/s = tokens of the
 sequences (prompt + response) that went through forward+backward / update seconds.
@@ -21,7 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import train
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+import train  # noqa: E402
 
 SECTIONS = ["rollout", "skills", "replay", "old_ref_logp", "teacher", "update", "sync"]
 

@@ -1,0 +1,270 @@
+"""Distributed helpers: the process group, reductions, FSDP2 sharding, rank-aligned micro-batches, and sharded
+checkpoints. The only file that knows about ranks' bookkeeping; the trainer calls these at its edges.
+
+* `setup()` joins torchrun's process group (gloo on CPU, NCCL on GPU) and sets the module's RANK and WORLD;
+  without torchrun a CPU run is a world of one without a group, and one GPU joins a group of one, so that
+  every GPU path is the FSDP2 path. `print0`, `all_reduce` (sum / max of floats), `all_gather_obj` work in
+  both cases.
+* `shard(model, param_dtype)`: FSDP2 `fully_shard` of every decoder block, then the root; fp32 master
+  weights with bf16 compute and fp32 gradient reduction on GPU. `full_state` gathers the full state dict
+  (the Hugging Face export, the rollout copy's sync).
+* `aligned_micro_batches`: FSDP2 needs every rank to run the same number of forward/backward passes, so a
+  rank with fewer micro-batches runs zero-weight dummies **[ours]**.
+* Checkpoints with torch.distributed.checkpoint **[ours]** layout: `save_checkpoint` writes
+  `<run>/ckpt/step_N/` (each rank its own shard of the policy and AdamW, rank 0 the RNG states of every
+  rank and a small `extra` dict), atomically (a `.tmp` folder renamed once complete) and keeps the
+  previous complete one; `load_checkpoint` resumes the newest one that loads, naming a damaged one and
+  falling back; `check_resume` refuses a checkpoint written with other core flags.
+* `cpu_threads`: intra-op threads per rank, OMP_NUM_THREADS when set.
+
+Test: pytest tests/test_checkpoint.py tests/test_train.py (two gloo ranks under torchrun)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+RANK, WORLD = 0, 1   # set by setup()
+
+
+def setup() -> tuple[int, int]:
+    """Join the torchrun process group (gloo on CPU, NCCL on GPU) and set RANK, WORLD. One GPU without
+    torchrun runs as a world of one, so that every GPU path is the FSDP2 path: fp32 master weights, bf16
+    compute (`shard`)."""
+    global RANK, WORLD
+    if "RANK" not in os.environ and torch.cuda.is_available() and not dist.is_initialized():
+        import socket
+        with socket.socket() as s:   # a free port for the one-process rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    RANK = dist.get_rank() if dist.is_initialized() else 0
+    WORLD = dist.get_world_size() if dist.is_initialized() else 1
+    return RANK, WORLD
+
+
+def print0(*a, **k):
+    if RANK == 0:
+        print(*a, **k, flush=True)
+
+
+def all_reduce(x: float | list[float], op="sum") -> np.ndarray:
+    t = torch.tensor(np.atleast_1d(np.asarray(x, dtype=np.float64)))
+    if dist.is_initialized():
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.numpy()
+
+
+def all_gather_obj(x):
+    if not dist.is_initialized():
+        return [x]
+    out = [None] * WORLD
+    dist.all_gather_object(out, x)
+    return out
+
+
+def cpu_threads(world: int, environ=os.environ) -> int:
+    """Intra-op threads per rank: OMP_NUM_THREADS when the user set it, else the cores shared out."""
+    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 2) // max(1, world))
+
+
+def shard(model, param_dtype: Optional[torch.dtype] = None):
+    """FSDP2: fully_shard every decoder block, then the root (only when running distributed). Parameters
+    stay in their dtype (fp32: the master weights); `param_dtype` bf16 (default on GPU) computes the
+    forward and backward in bf16 and reduces gradients in fp32."""
+    if not dist.is_initialized():
+        return model
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    param_dtype = param_dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    mp = None
+    if param_dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kw = {"mp_policy": mp} if mp else {}
+    for block in model.model.layers:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def full_state(model, rank0_only: bool = False) -> dict:
+    """Full (unsharded) state dict on every rank (rank0_only: on rank 0, {} elsewhere), on CPU; a
+    collective under FSDP2 (all ranks call it)."""
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
+        return {k: v.detach().cpu() for k, v in sd.items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def micro_batches(lengths: list[int], micro_batch: int, micro_tokens: int = 0) -> list[list[int]]:
+    """Consecutive index groups: `micro_batch` sequences each, or with `micro_tokens` > 0 [ours] as many
+    as fit count × longest <= micro_tokens (a longer sequence goes alone)."""
+    out: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if not out or (len(out[-1]) >= micro_batch if not micro_tokens
+                       else max(longest, n) * (len(out[-1]) + 1) > micro_tokens):
+            out.append([])
+            longest = 0
+        out[-1].append(i)
+        longest = max(longest, n)
+    return out
+
+
+def aligned_micro_batches(items: list, lengths: list[int], micro_batch: int, micro_tokens: int, dummy):
+    """Yield (micro-batch, is_dummy) over `items` grouped by `micro_batches` (sorted by length first when
+    cutting by a token budget [ours]), then one-item `dummy` batches until this rank has run as many as
+    the rank that needs the most: FSDP2 needs every rank to run the same number of forward/backward passes."""
+    order = sorted(range(len(items)), key=lengths.__getitem__) if micro_tokens else list(range(len(items)))
+    groups = micro_batches([lengths[i] for i in order], micro_batch, micro_tokens)
+    for u in range(int(all_reduce(len(groups), "max")[0])):
+        yield ([items[order[j]] for j in groups[u]], False) if u < len(groups) else ([dummy], True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+# [ours] Layout: <run>/ckpt/step_000008/ holds the policy and its AdamW as torch.distributed.checkpoint
+# (DCP) shards, each rank writing and reading only its own part (__<rank>_0.distcp, .metadata), then
+# extra.pt (the step, every rank's RNG states, `extra`: small python objects, no tensors), args.json and
+# the COMPLETE marker. A folder is written as step_000008.tmp and renamed into place once every rank has
+# written; each save keeps itself and the newest complete checkpoint before it (the fallback).
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints (step_<n> with the COMPLETE marker), newest first."""
+    dirs = [d for d in (run_dir / "ckpt").glob("step_*") if d.name[5:].isdigit() and (d / "COMPLETE").exists()]
+    return sorted(dirs, key=lambda d: int(d.name[5:]), reverse=True)
+
+
+def _fsync(path: Path):   # a file's data, or a folder's entries, on disk before the rename relies on them
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict):
+    """Write <run>/ckpt/step_<step>: sharded, atomic (see above), then delete every other step_* but the
+    newest complete one before it. Collective under FSDP2: no rank ever holds the full state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.utils._pytree import tree_leaves
+    if any(isinstance(x, torch.Tensor) for x in tree_leaves(extra)):
+        raise TypeError("save_checkpoint: `extra` must hold plain python objects, no tensors")
+    final = run_dir / "ckpt" / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if RANK == 0:   # a crashed save of this step left its temp folder: start it over
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
+    msd, osd = get_state_dict(model, opt)   # under FSDP2 this rank's shards (DTensors), no gather
+    dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    # gathered after dcp.save (whatever it might draw), so they are the states the run goes on with;
+    # a collective, so past it every rank has written its shards
+    rng = all_gather_obj({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()})
+    if RANK == 0:
+        torch.save({"step": step, "rng": rng, "extra": extra}, tmp / "extra.pt")
+        (tmp / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+        (tmp / "COMPLETE").write_text(json.dumps({"step": step, "world": WORLD}))
+        for f in ("extra.pt", "args.json", "COMPLETE", "."):
+            _fsync(tmp / f)
+        shutil.rmtree(final, ignore_errors=True)   # the same step from an abandoned timeline (resumed earlier)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+        prev = next((d for d in checkpoints(run_dir) if int(d.name[5:]) < step), None)
+        for d in final.parent.glob("step_*"):   # older ones, other runs' later ones, crashed temp folders
+            if d not in (final, prev):
+                shutil.rmtree(d, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# Flags a resumed run must share with the checkpoint it resumes (the rest, e.g. --steps, may change).
+RESUME_MUST_MATCH = ("algo", "model", "env", "tiny_hidden", "tiny_layers", "seed")
+
+
+def check_resume(run_dir: Path, args):
+    """Refuse, before any compute, to resume a checkpoint written with other core flags (e.g. a GRPO
+    run's ckpt picked up by an --algo rsipo run of the same --run_name). Every complete checkpoint is
+    checked: a damaged newest one falls back to the previous."""
+    for d in checkpoints(run_dir):
+        f = d / "args.json"
+        if f.exists():
+            saved = json.loads(f.read_text())
+            diff = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
+            if diff:
+                raise SystemExit(f"error: {d} was written with "
+                                 + ", ".join(f"--{k} {saved[k]}" for k in diff) + " but this run has "
+                                 + ", ".join(f"--{k} {getattr(args, k)}" for k in diff)
+                                 + ": use another --run_name, or --resume false to start over")
+
+
+def checkpoint_damage(d: Path) -> Optional[str]:
+    """The first missing or truncated file of checkpoint folder d, or its unreadable DCP metadata, as
+    "path: why"; None when every file the metadata names is there in full. (A shard damaged in place,
+    same size, shows only when DCP fails to read it.)"""
+    import torch.distributed.checkpoint as dcp
+    try:
+        md = dcp.FileSystemReader(d).read_metadata()
+    except Exception as e:
+        return f"{d / '.metadata'}: unreadable ({type(e).__name__}: {e})"
+    need = {"extra.pt": 1}   # bytes each file must have: the end of its last item
+    for s in md.storage_data.values():
+        need[s.relative_path] = max(need.get(s.relative_path, 0), s.offset + s.length)
+    for name, n in sorted(need.items()):
+        size = (d / name).stat().st_size if (d / name).exists() else None
+        if size is None or size < n:
+            return f"{d / name}: " + ("missing" if size is None else f"{size} bytes, the metadata needs {n}")
+    return None
+
+
+def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
+    """Restore the newest complete checkpoint that loads (collective under FSDP2): this rank's shards of the
+    policy and AdamW, and its RNG states. Returns {"step", "rng", "extra", "path"}; None without checkpoints.
+    A damaged one is named and the previous one tried; when none loads, an error naming each."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    bad = []
+    for d in checkpoints(run_dir):
+        err = all_gather_obj(checkpoint_damage(d) if RANK == 0 else None)[0]   # rank 0's verdict for all
+        if err is None:
+            try:   # dcp.load raises on every rank when one rank's read fails
+                msd, osd = get_state_dict(model, opt)   # fresh each try: overwrites a failed try's partial load
+                dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(d),
+                         no_dist=not dist.is_initialized())
+                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+                st = torch.load(d / "extra.pt", map_location="cpu", weights_only=False)
+            except (Exception, dcp.CheckpointException) as e:   # the latter is a BaseException: each rank's error
+                why = [x for x, _ in e.failures.values()] if isinstance(e, dcp.CheckpointException) else [e]
+                err = f"{d}: does not load: " + "; ".join(
+                    f"{type(x).__name__}: {' '.join(str(x).split())[:200]}" for x in why)
+        if err is None:
+            r = st["rng"][RANK] if RANK < len(st["rng"]) else st["rng"][0]
+            random.setstate(r["python"])
+            np.random.set_state(r["numpy"])
+            torch.set_rng_state(r["torch"])
+            return {**st, "path": d}
+        print0(f"checkpoint damaged, {err}; trying the previous one")
+        bad.append(err)
+    if bad:
+        raise SystemExit("error: no checkpoint of this run loads:\n  " + "\n  ".join(bad)
+                         + "\nremove them, or use --resume false to start over")
+    return None
