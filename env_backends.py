@@ -399,7 +399,7 @@ def _make_engine():
 # =============================================================================================
 # Search QA (Search-R1 protocol): question data, corpus, retrievers
 
-# Task type of a question from the data set it comes from (DESIGN §2: single-hop / multi-hop).
+# Task type of a question from the data set it comes from (METHOD.md §5.5: single-hop / multi-hop).
 # gen_single / gen_multi are this project's generated set (scripts/qa_gen.py).
 SEARCH_TASK_TYPES: dict[str, str] = {
     "nq": "single", "triviaqa": "single", "popqa": "single", "gen_single": "single",

@@ -1,5 +1,5 @@
 """Environments: the env and pool interface, ALFWorld and search QA behind it (each with its turn
-prompt and action parser) and their lock-step pools (DESIGN §3 "Environment interface"). What the
+prompt and action parser) and their lock-step pools (METHOD.md §7). What the
 envs run on (game data, the engine, QA data, retrievers) is env_backends.py.
 
 Contract

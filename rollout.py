@@ -1,4 +1,4 @@
-"""Rollout: typed records, generation engines and the lock-step multi-turn loop (DESIGN §2 step 1, §3).
+"""Rollout: typed records, generation engines and the lock-step multi-turn loop (METHOD.md §2.1, §7).
 
 Contract
 --------
@@ -731,7 +731,7 @@ def token_logprobs_of(model, ids, attn, targets, with_entropy=False):
 
 
 def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[int], list[int]]:
-    """The teacher's input (DESIGN §2.7): the student's prompt with the skill inserted after the task
+    """The teacher's input (METHOD.md §2.7): the student's prompt with the skill inserted after the task
     line (`task_line` = the pool's task prefix + the task sentence), and the student's own response tokens."""
     return engine.encode(insert_skill(turn.prompt_text, skill, task_line)), turn.response_ids
 

@@ -8,7 +8,7 @@ no hyperparameter defaults read from anywhere but the call). Loss functions retu
 detached python floats. Shapes: B samples (one sample = one turn's response, or one skill-writing
 response), L response tokens, V vocabulary, T turn-samples, K tasks.
 
-Implemented (equation numbers are the ones in DESIGN.md §2):
+Implemented (equation numbers are the ones in METHOD.md §2):
 
 * ``turn_scores``        s_{i,t} = R_i − p_fmt·invalid_{i,t}                              (step 1)
 * ``group_advantages``   A_{i,t} = (s_{i,t} − mean_q s) / (std_q s + eps)                 (Eq. 1)
@@ -26,7 +26,7 @@ Deviations and choices not fixed by the paper
 1. **[ours] Eq. (1) uses the unbiased (n−1) standard deviation**, as ``torch.std`` does in
    GRPO/verl. A group with a single turn-sample has no spread: its std is taken as 0 and its
    advantage is exactly 0 (s equals its own mean). A group whose scores are all equal also gets
-   advantage 0. Group statistics are over *turn-samples* (DESIGN §2.2), so longer episodes weigh
+   advantage 0. Group statistics are over *turn-samples* (METHOD.md §2.2), so longer episodes weigh
    more in the group mean; group ids may be any integers (not necessarily contiguous).
 2. **[ours] Eq. (5) single-task types.** When a task type has exactly one task in the batch, its
    baseline is the running mean of that type, *before* this batch's update (0 for a type never

@@ -1,4 +1,4 @@
-"""Empirical-Bayes trust in the teacher: RSIPO Eq. 3-4 and 6-9 (DESIGN.md section 2, steps 4 and 6).
+"""Empirical-Bayes trust in the teacher: RSIPO Eq. 3-4 and 6-9 (METHOD.md §2.4, §2.6).
 
 What this file implements (numpy + stdlib only)
   replay_gain(replay_rewards, control_rewards, r_win) -> (g, v)            Eq. 3-4
@@ -7,7 +7,7 @@ What this file implements (numpy + stdlib only)
   replay_informative(replay_rewards, control_rewards) -> bool              choice 7
   eb_shrink(estimates, variances) -> EBResult                              Eq. 6-8
       Morris (1983, JASA 78:47-55) parametric empirical Bayes for g_q ~ N(theta_q, v_q),
-      theta_q ~ N(mu, tau^2), exactly as DESIGN writes it:
+      theta_q ~ N(mu, tau^2), exactly as METHOD.md §2.6 writes it:
         w_q = 1/(v_q + tau^2);  mu = sum(w g)/sum(w)
         tau^2 = max(0, sum w_q[(k/(k-1))(g_q - mu)^2 - v_q] / sum w_q), at its fixed point  (6)
         B_q = min(1, ((k-3)/(k-1)) v_q/(v_q + tau^2))                                         (7)
@@ -24,7 +24,7 @@ Choices that are ours, not the paper's (**[ours]**)
      (all tasks of all types, the large types' tasks included); that type's prior in `info` is the
      pooled (mu, tau^2). If the whole batch has < 4 tasks, that fit is "no shrinkage".
      min_group < 4 is refused (Eq. 7 needs k >= 4; smaller groups would silently not shrink).
-  2. Trust map lambda = Phi(g^/sqrt(V)) (DESIGN marks it [ours]). V = 0 gives 1 if g^ > 0,
+  2. Trust map lambda = Phi(g^/sqrt(V)) ([ours], METHOD.md §5). V = 0 gives 1 if g^ > 0,
      0 if g^ < 0, 1/2 if g^ = 0 (the limit of Phi, and 1/2 for no information on the sign).
   3. Solving Eq. 6: the fixed point is the one of the Eq. 6 map, but it is found with Newton steps,
      not by repeating the map. For tau^2 > 0 the map's fixed point is exactly the root of
@@ -45,14 +45,14 @@ Choices that are ours, not the paper's (**[ours]**)
      trust to any parseable text (junk included). The trainer gives such tasks no teacher signal
      (lambda = 0); their g = 0 still enters Eq. 5 and the type's prior (it is a measured outcome).
 
-Note on James-Stein (what DESIGN's "exactly the positive-part James-Stein" means here)
+Note on James-Stein (METHOD.md §2.6: "exactly James-Stein", and what it means here)
   With equal v the fixed point is mu = mean(g), tau^2 = max(0, S/(k-1) - v), S = sum (g - mean g)^2.
   * tau^2 > 0 (S > (k-1)v): B = (k-3)v/S exactly, the positive-part James-Stein factor (its
     positive part never binds here since B < (k-3)/(k-1) < 1). The reduction is exact.
   * tau^2 = 0 (S <= (k-1)v): Eq. 7 gives B = (k-3)/(k-1), while positive-part JS would give
     min(1, (k-3)v/S) >= (k-3)/(k-1). Here Morris shrinks LESS than JS.
   In both regimes, with equal v: B = min((k-3)/(k-1), (k-3)v/S).
-  We follow DESIGN's formulas (Morris's) literally in both regimes; the min(1, .) in Eq. 7 therefore
+  We follow Morris's formulas (METHOD.md §2.6) literally in both regimes; the min(1, .) in Eq. 7 therefore
   never binds (B <= (k-3)/(k-1) always), and g^ never collapses fully onto mu.
   Both regimes are tested.
 

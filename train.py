@@ -81,7 +81,7 @@ class Args:
     run_name: str = arg("default", "name of the run; outputs go to <out_dir>/<run_name>/")
     out_dir: str = arg("runs", "folder for runs")
     seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
-    algo: str = arg("rsipo", "rsipo | grpo | opsd (DESIGN §2: the method and its two baselines)")
+    algo: str = arg("rsipo", "rsipo | grpo | opsd (METHOD.md §3: the method and its two baselines)")
     resume: bool = arg(True, "resume from <run>/ckpt if it exists")
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
     # --- model ---
@@ -134,7 +134,7 @@ class Args:
     constrained: bool = arg(False, "[ours] decode only admissible actions (the tiny preset's default)")
     drop_zero_adv: bool = arg(True, "[ours] leave turn-samples with advantage 0 out of the update (no PG signal)")
     opsd_keep: float = arg(1.0, "[ours] fraction of advantage-0 turns kept for the OPSD term alone (opsd/rsipo; 1 = all)")
-    # --- RSIPO (DESIGN §2 steps 3-9; ignored by --algo grpo) ---
+    # --- RSIPO (METHOD.md §2.3-2.9; ignored by --algo grpo) ---
     trust: str = arg("eb", "teacher trust: eb (Eq. 6-9) | raw (no shrinkage) | one (λ ≡ 1, SEED-like)")
     replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours])")
     alpha: float = arg(0.01, "α: OPSD coefficient, Eq. (12)")
@@ -457,7 +457,7 @@ CONTRIB = {"loss", "pg/loss", "kl/k3", "entropy", "opsd/loss"}
 
 @dataclass
 class Sample:
-    """One sequence of the update: a student turn or a skill-writing response (DESIGN §2.8)."""
+    """One sequence of the update: a student turn or a skill-writing response (METHOD.md §2.8)."""
     prompt_ids: list[int]
     response_ids: list[int]
     adv: float                                  # Eq. (1) for turns, Eq. (5) for skills

@@ -1,4 +1,4 @@
-"""Does a policy use a skill in its prompt? The question behind RSIPO's teacher (DESIGN §2.7).
+"""Does a policy use a skill in its prompt? The question behind RSIPO's teacher (METHOD.md §2.7).
 
 On held-out ALFWorld games it plays the same episodes (same sampling seed in every condition, so
 the comparisons are paired) with:

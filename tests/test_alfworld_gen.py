@@ -11,7 +11,7 @@ import alfworld_gen as G  # noqa: E402
 
 
 def test_mangle_matches_alfred_ids():
-    # The REFERENCES example, character by character.
+    # ALFRED's own mangling example, character by character.
     assert G.mangle("Apple|-01.50|+00.90|+00.30") == \
         "Apple_bar__minus_01_dot_50_bar__plus_00_dot_90_bar__plus_00_dot_30"
 

@@ -369,7 +369,7 @@ def test_paired_gain_over_games():
 
 
 def test_score_tokens_keeps_no_graph():
-    # old / reference / teacher log-probs are constants of the update (DESIGN §2.7, Eq. 10-11): scoring
+    # old / reference / teacher log-probs are constants of the update (METHOD.md §2.7, Eq. 10-11): scoring
     # with a model whose parameters require grad must return tensors without a graph (a kept graph per
     # turn exhausted 24 GB in the skill probe)
     torch.manual_seed(0)
