@@ -225,5 +225,11 @@ def test_two_ranks_end_to_end_resume_matches_the_uninterrupted_run(tmp_path):
         assert torch.allclose(v, b["model"][k], atol=1e-6), k
 
 
+def test_threads_respect_omp_num_threads():
+    assert D.cpu_threads(2, {"OMP_NUM_THREADS": "3"}) == 3           # the user's choice stands
+    assert D.cpu_threads(2, {}) == max(1, (os.cpu_count() or 2) // 2)  # else the cores shared out over ranks
+    assert D.cpu_threads(1, {"OMP_NUM_THREADS": "0"}) == max(1, os.cpu_count() or 2)
+
+
 if __name__ == "__main__":   # torchrun worker of test_two_ranks_write_per_rank_shards_and_resume_exactly
     _two_rank_worker(Path(sys.argv[1]))

@@ -1,5 +1,6 @@
 """Rollout: the HF engine (left padding, stop, constrained decoding) and the lock-step episode loop
 on the real ALFWorld engine, with a tiny randomly initialised Qwen2 and the project's tokenizer."""
+import json
 import sys
 from pathlib import Path
 
@@ -155,3 +156,85 @@ def test_prompts_drop_history_to_fit_and_an_unfittable_turn_is_invalid_not_a_cra
 
 def eng_len(tok, prompt):
     return len(chat_ids(tok, prompt))
+
+
+def test_collate_masks_exactly_the_response_tokens():
+    ids, attn, tgt, mask = R.collate([([5, 6, 7], [8, 9]), ([5], [8])], pad_id=0, device="cpu")
+    # prompts left-padded to P = 3, responses right-padded to R = 2: both responses start at column 3
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [0, 0, 5, 8, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
+    # targets are the response tokens; the mask marks exactly them
+    assert tgt.tolist() == [[8, 9], [8, 0]] and mask.tolist() == [[1, 1], [1, 0]]
+
+
+def test_response_logprobs_equal_the_full_forward_of_each_sequence_alone():
+    # logits at the response positions only (left-padded prompts, explicit positions) must give the same
+    # log-probs as a plain forward of each unpadded sequence: the trainer's ℓ is what the sampler saw
+    torch.manual_seed(0)
+    model = cpu_preset.tiny_model(50, T.Args(tiny_hidden=32)).eval()
+    samples = [([1, 2, 3, 4, 5, 6], [7, 8]), ([9, 3], [4, 5, 6, 7]), ([2], [3])]
+    ids, attn, tgt, mask = R.collate(samples, pad_id=0, device="cpu")
+    lp, ent = R.token_logprobs_of(model, ids, attn, tgt, with_entropy=True)
+    assert lp.shape == (3, 4) and ent.shape == (3, 4)
+    for b, (p, r) in enumerate(samples):
+        x = torch.tensor([p + r])
+        full = model(input_ids=x).logits[0].log_softmax(-1)                     # [len, V]
+        ref = full[len(p) - 1:len(p) - 1 + len(r)].gather(-1, torch.tensor(r)[:, None])[:, 0]
+        assert torch.allclose(lp[b, :len(r)], ref, atol=1e-5), b
+        h = -(full.exp() * full).sum(-1)[len(p) - 1:len(p) - 1 + len(r)]
+        assert torch.allclose(ent[b, :len(r)], h, atol=1e-5), b
+
+
+def test_paired_gain_over_games():
+    # d = (1/3 − 0, 1 − 2/3, 0 − 0, 2/3 − 1/3) = (1/3, 1/3, 0, 1/3); game "x" was played once only
+    start = {"a": 0.0, "b": 2 / 3, "c": 0.0, "d": 1 / 3, "x": 1.0}
+    end = {"a": 1 / 3, "b": 1.0, "c": 0.0, "d": 2 / 3}
+    g, se, n = R.paired_gain(start, end)
+    assert n == 4 and g == pytest.approx(0.25)
+    # deviations (1/12, 1/12, −1/4, 1/12): Σ² = 3/144 + 9/144 = 1/12; var = (1/12)/3 = 1/36; se = (1/6)/2
+    assert se == pytest.approx(1 / 12)
+    assert R.paired_gain({"a": 0.5}, {"a": 1.0})[:1] == (0.5,) and R.paired_gain({}, {})[2] == 0
+
+
+def test_score_tokens_keeps_no_graph():
+    # old / reference / teacher log-probs are constants of the update (METHOD.md §2.7, Eq. 10-11): scoring
+    # with a model whose parameters require grad must return tensors without a graph (a kept graph per
+    # turn exhausted 24 GB in the skill probe)
+    torch.manual_seed(0)
+    model = cpu_preset.tiny_model(50, T.Args(tiny_hidden=32))
+    assert all(p.requires_grad for p in model.parameters())
+    out = R.score_tokens(model, [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])], pad_id=0, device="cpu", micro_batch=1)
+    assert [o.shape[0] for o in out] == [2, 3]
+    assert not any(o.requires_grad for o in out) and all(o.grad_fn is None for o in out)
+
+
+def test_tokenizer_without_chat_template_or_pad_token(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1 <|endoftext|>"], extra_specials=["<|endoftext|>"])
+    tok.pad_token = tok.eos_token                      # pad = EOS, as SmolLM2 ships
+    tok.save_pretrained(tmp_path / "ok")
+    back = R.load_tokenizer(str(tmp_path / "ok"))
+    assert back.pad_token == "<|endoftext|>" and back.pad_token_id != back.eos_token_id   # a pad that is not EOS
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "plain")
+    for f in ("chat_template.jinja",):
+        (tmp_path / "plain" / f).unlink(missing_ok=True)
+    cfg = json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "plain" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit, match="--model .* no chat template"):
+        R.load_tokenizer(str(tmp_path / "plain"))
+    from tokenizers import Tokenizer, models
+    bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<|im_end|>": 1}, "a")),
+                                   eos_token="<|im_end|>", pad_token="<|im_end|>")   # nothing else to pad with
+    with pytest.raises(SystemExit, match="no pad token other than EOS"):
+        R.ensure_pad(bare, "m")
+
+
+def test_sampler_gap_over_tokens_and_none_without_tokens():
+    old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
+    sampler = [[-1.0, -2.5], [-0.25]]
+    g = R.sampler_gap(list(zip(old, sampler)))
+    # |Δ| = 0, 0.5, 0.25 → max 0.5, mean 0.25 over 3 tokens
+    assert g == {"rollout/logp_diff_max": 0.5, "rollout/logp_diff_mean": 0.25, "rollout/logp_diff_tokens": 3}
+    assert R.sampler_gap([]) == {}

@@ -72,33 +72,6 @@ def test_resume_refuses_a_checkpoint_of_another_algo(tmp_path):
     D.check_resume(tmp_path / "r", T.Args(algo="grpo", steps=99))   # same core flags: accepted
 
 
-def test_collate_masks_exactly_the_response_tokens():
-    ids, attn, tgt, mask = R.collate([([5, 6, 7], [8, 9]), ([5], [8])], pad_id=0, device="cpu")
-    # prompts left-padded to P = 3, responses right-padded to R = 2: both responses start at column 3
-    assert ids.tolist() == [[5, 6, 7, 8, 9], [0, 0, 5, 8, 0]]
-    assert attn.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
-    # targets are the response tokens; the mask marks exactly them
-    assert tgt.tolist() == [[8, 9], [8, 0]] and mask.tolist() == [[1, 1], [1, 0]]
-
-
-def test_response_logprobs_equal_the_full_forward_of_each_sequence_alone():
-    # logits at the response positions only (left-padded prompts, explicit positions) must give the same
-    # log-probs as a plain forward of each unpadded sequence: the trainer's ℓ is what the sampler saw
-    torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, T.Args(tiny_hidden=32)).eval()
-    samples = [([1, 2, 3, 4, 5, 6], [7, 8]), ([9, 3], [4, 5, 6, 7]), ([2], [3])]
-    ids, attn, tgt, mask = R.collate(samples, pad_id=0, device="cpu")
-    lp, ent = R.token_logprobs_of(model, ids, attn, tgt, with_entropy=True)
-    assert lp.shape == (3, 4) and ent.shape == (3, 4)
-    for b, (p, r) in enumerate(samples):
-        x = torch.tensor([p + r])
-        full = model(input_ids=x).logits[0].log_softmax(-1)                     # [len, V]
-        ref = full[len(p) - 1:len(p) - 1 + len(r)].gather(-1, torch.tensor(r)[:, None])[:, 0]
-        assert torch.allclose(lp[b, :len(r)], ref, atol=1e-5), b
-        h = -(full.exp() * full).sum(-1)[len(p) - 1:len(p) - 1 + len(r)]
-        assert torch.allclose(ent[b, :len(r)], h, atol=1e-5), b
-
-
 def test_sft_jsonl_loader(tmp_path):
     p = tmp_path / "sft.jsonl"
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
@@ -249,72 +222,6 @@ def test_lr_warmup_ramps_with_adams_own_step_count():
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
 
 
-def test_tiny_tokenizer_round_trips_through_a_saved_checkpoint(tmp_path):
-    # AutoTokenizer would rebuild a saved tiny tokenizer as Qwen2's BPE class (other ids);
-    # load_tokenizer must give back exactly the ids the policy was trained with.
-    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1", "take mug 1 from desk 1 <think> </think> <action> </action>"])
-    tok.save_pretrained(tmp_path)
-    back = R.load_tokenizer(str(tmp_path))
-    s = "<think> </think> <action> take mug 1 from desk 1 </action>"
-    assert back.encode(s, add_special_tokens=False) == tok.encode(s, add_special_tokens=False)
-    assert R.chat_ids(back, "go to desk 1") == R.chat_ids(tok, "go to desk 1")
-    assert back.eos_token_id == tok.eos_token_id and back.pad_token_id == tok.pad_token_id
-
-
-def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path):
-    from cpu_preset import ANALYZER_PHRASES, PROMPT_PHRASES, SEARCH_PHRASES
-    from envs import build_prompt, build_search_prompt
-    from skills import SKILL_PREFIX, analyzer_prompt, insert_skill
-    intro = ("-= Welcome to TextWorld, ALFRED! =- You are in the middle of a room. Looking quickly around you, "
-             "you see a desk 1, and a shelf 1. Your task is to: put a mug in shelf.")
-    alf = build_prompt("put a mug in shelf.", "You arrive at desk 1.", ["go to shelf 1", "take mug 1 from desk 1"],
-                       [(intro, "go to desk 1")], history_len=2)
-    alf = insert_skill(alf, "take the mug to the shelf", "Your task is to: put a mug in shelf.")
-    search = build_search_prompt("who?", "no", history=[("q", "<search> a </search>")] * 2, history_len=1)
-    an = analyzer_prompt("put a mug in shelf.", True, [("obs", "go to desk 1")]) + \
-        analyzer_prompt("put a mug in shelf.", False, [("obs", "go to desk 1")])
-    # the phrase lists stay in sync with the templates: every fixed text occurs verbatim
-    for p in PROMPT_PHRASES:
-        assert p in intro + alf, p
-    for p in SEARCH_PHRASES:
-        assert p in search, p
-    for p in ANALYZER_PHRASES:
-        assert p in an + alf, p
-    tok = cpu_preset.train_tiny_tokenizer([alf, an, "user assistant"])
-    words = cpu_preset.train_tiny_tokenizer([alf, an, "user assistant"], phrases=())
-    ids = tok.encode(alf, add_special_tokens=False)
-    toks = tok.convert_ids_to_tokens(ids)
-    in_prompt = PROMPT_PHRASES + (SKILL_PREFIX.strip(),)   # "Skill for this task:"
-    # each phrase in the prompt is one token (the tail holds <think> etc. inside it: longest match wins)
-    for p in in_prompt:
-        assert toks.count(p) == alf.count(p) > 0, p
-    # the same count as the word tokenizer on the prompt with every phrase replaced by one word
-    one_word = alf
-    for p in sorted(in_prompt, key=len, reverse=True):
-        one_word = one_word.replace(p, " PHRASE ")
-    assert len(ids) == len(words.encode(one_word, add_special_tokens=False))
-    assert len(ids) < 0.5 * len(words.encode(alf, add_special_tokens=False))   # this short prompt: 188 → 78
-    # responses keep their word tokens and decode unchanged; the phrases survive save/load
-    r = "<think> </think> <action> go to shelf 1 </action>"
-    assert tok.encode(r, add_special_tokens=False) == [tok.convert_tokens_to_ids(w) for w in r.split()]
-    assert tok.decode(tok.encode(r, add_special_tokens=False)) == r
-    tok.save_pretrained(tmp_path)
-    assert R.load_tokenizer(str(tmp_path)).encode(alf, add_special_tokens=False) == ids
-
-
-def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
-    from env_backends import list_games
-    games = list_games(str(ROOT / "data" / "alfworld"), "train")[:2]
-    extra = sorted((ROOT / "data" / "alfworld_sft").glob("json_2.1.1/*/*/*/walkthrough.json"))[:3]
-    own = cpu_preset.walkthrough_samples(games, 2)
-    both = cpu_preset.walkthrough_samples(games + [str(p) for p in extra], 2)
-    # one sample per walkthrough step with an action
-    n_extra = sum(sum(s["action"] is not None for s in json.loads(p.read_text())["steps"]) for p in extra)
-    assert n_extra > 0 and len(both) == len(own) + n_extra
-    with pytest.raises(SystemExit, match="--sft_walkthroughs"):
-        T.parse_args(["--sft_walkthroughs", str(tmp_path / "missing")])
-
-
 def test_draw_tasks_by_type_is_even_and_uniform_is_unchanged():
     import random
     types = ["pick"] * 5 + ["look"] * 2 + ["heat"] * 10
@@ -357,35 +264,6 @@ def test_sft_micro_batches_give_the_whole_batch_gradient():
     assert any(a.abs().sum() > 0 for a in g_split)
 
 
-def test_paired_gain_over_games():
-    # d = (1/3 − 0, 1 − 2/3, 0 − 0, 2/3 − 1/3) = (1/3, 1/3, 0, 1/3); game "x" was played once only
-    start = {"a": 0.0, "b": 2 / 3, "c": 0.0, "d": 1 / 3, "x": 1.0}
-    end = {"a": 1 / 3, "b": 1.0, "c": 0.0, "d": 2 / 3}
-    g, se, n = R.paired_gain(start, end)
-    assert n == 4 and g == pytest.approx(0.25)
-    # deviations (1/12, 1/12, −1/4, 1/12): Σ² = 3/144 + 9/144 = 1/12; var = (1/12)/3 = 1/36; se = (1/6)/2
-    assert se == pytest.approx(1 / 12)
-    assert R.paired_gain({"a": 0.5}, {"a": 1.0})[:1] == (0.5,) and R.paired_gain({}, {})[2] == 0
-
-
-def test_score_tokens_keeps_no_graph():
-    # old / reference / teacher log-probs are constants of the update (METHOD.md §2.7, Eq. 10-11): scoring
-    # with a model whose parameters require grad must return tensors without a graph (a kept graph per
-    # turn exhausted 24 GB in the skill probe)
-    torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, T.Args(tiny_hidden=32))
-    assert all(p.requires_grad for p in model.parameters())
-    out = R.score_tokens(model, [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])], pad_id=0, device="cpu", micro_batch=1)
-    assert [o.shape[0] for o in out] == [2, 3]
-    assert not any(o.requires_grad for o in out) and all(o.grad_fn is None for o in out)
-
-
-def test_threads_respect_omp_num_threads():
-    assert D.cpu_threads(2, {"OMP_NUM_THREADS": "3"}) == 3           # the user's choice stands
-    assert D.cpu_threads(2, {}) == max(1, (os.cpu_count() or 2) // 2)  # else the cores shared out over ranks
-    assert D.cpu_threads(1, {"OMP_NUM_THREADS": "0"}) == max(1, os.cpu_count() or 2)
-
-
 def test_real_models_get_the_released_settings_and_tiny_its_own(capsys):
     real = T.parse_args(["--model", "org/some-instruct"])
     assert (real.lr, real.sft_lr, real.c_kl, real.max_new_tokens, real.skill_max_tokens, real.constrained) == \
@@ -421,38 +299,6 @@ def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--dtype"):
         T.parse_args(["--dtype", "bfloat16"])
-
-
-def test_tokenizer_without_chat_template_or_pad_token(tmp_path):
-    from transformers import PreTrainedTokenizerFast
-    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1 <|endoftext|>"], extra_specials=["<|endoftext|>"])
-    tok.pad_token = tok.eos_token                      # pad = EOS, as SmolLM2 ships
-    tok.save_pretrained(tmp_path / "ok")
-    back = R.load_tokenizer(str(tmp_path / "ok"))
-    assert back.pad_token == "<|endoftext|>" and back.pad_token_id != back.eos_token_id   # a pad that is not EOS
-    tok.chat_template = None
-    tok.save_pretrained(tmp_path / "plain")
-    for f in ("chat_template.jinja",):
-        (tmp_path / "plain" / f).unlink(missing_ok=True)
-    cfg = json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template", None)
-    (tmp_path / "plain" / "tokenizer_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SystemExit, match="--model .* no chat template"):
-        R.load_tokenizer(str(tmp_path / "plain"))
-    from tokenizers import Tokenizer, models
-    bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<|im_end|>": 1}, "a")),
-                                   eos_token="<|im_end|>", pad_token="<|im_end|>")   # nothing else to pad with
-    with pytest.raises(SystemExit, match="no pad token other than EOS"):
-        R.ensure_pad(bare, "m")
-
-
-def test_sampler_gap_over_tokens_and_none_without_tokens():
-    old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])]
-    sampler = [[-1.0, -2.5], [-0.25]]
-    g = R.sampler_gap(list(zip(old, sampler)))
-    # |Δ| = 0, 0.5, 0.25 → max 0.5, mean 0.25 over 3 tokens
-    assert g == {"rollout/logp_diff_max": 0.5, "rollout/logp_diff_mean": 0.25, "rollout/logp_diff_tokens": 3}
-    assert R.sampler_gap([]) == {}
 
 
 def test_a_turn_without_teacher_log_probs_gets_no_opsd_gradient():

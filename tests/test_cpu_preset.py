@@ -1,0 +1,78 @@
+"""cpu_preset.py: the tiny preset's tokenizer (phrase tokens, save/load), its warm-start data."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import cpu_preset  # noqa: E402
+import rollout as R  # noqa: E402
+import train as T  # noqa: E402
+
+
+def test_tiny_tokenizer_round_trips_through_a_saved_checkpoint(tmp_path):
+    # AutoTokenizer would rebuild a saved tiny tokenizer as Qwen2's BPE class (other ids);
+    # load_tokenizer must give back exactly the ids the policy was trained with.
+    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1", "take mug 1 from desk 1 <think> </think> <action> </action>"])
+    tok.save_pretrained(tmp_path)
+    back = R.load_tokenizer(str(tmp_path))
+    s = "<think> </think> <action> take mug 1 from desk 1 </action>"
+    assert back.encode(s, add_special_tokens=False) == tok.encode(s, add_special_tokens=False)
+    assert R.chat_ids(back, "go to desk 1") == R.chat_ids(tok, "go to desk 1")
+    assert back.eos_token_id == tok.eos_token_id and back.pad_token_id == tok.pad_token_id
+
+
+def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path):
+    from cpu_preset import ANALYZER_PHRASES, PROMPT_PHRASES, SEARCH_PHRASES
+    from envs import build_prompt, build_search_prompt
+    from skills import SKILL_PREFIX, analyzer_prompt, insert_skill
+    intro = ("-= Welcome to TextWorld, ALFRED! =- You are in the middle of a room. Looking quickly around you, "
+             "you see a desk 1, and a shelf 1. Your task is to: put a mug in shelf.")
+    alf = build_prompt("put a mug in shelf.", "You arrive at desk 1.", ["go to shelf 1", "take mug 1 from desk 1"],
+                       [(intro, "go to desk 1")], history_len=2)
+    alf = insert_skill(alf, "take the mug to the shelf", "Your task is to: put a mug in shelf.")
+    search = build_search_prompt("who?", "no", history=[("q", "<search> a </search>")] * 2, history_len=1)
+    an = analyzer_prompt("put a mug in shelf.", True, [("obs", "go to desk 1")]) + \
+        analyzer_prompt("put a mug in shelf.", False, [("obs", "go to desk 1")])
+    # the phrase lists stay in sync with the templates: every fixed text occurs verbatim
+    for p in PROMPT_PHRASES:
+        assert p in intro + alf, p
+    for p in SEARCH_PHRASES:
+        assert p in search, p
+    for p in ANALYZER_PHRASES:
+        assert p in an + alf, p
+    tok = cpu_preset.train_tiny_tokenizer([alf, an, "user assistant"])
+    words = cpu_preset.train_tiny_tokenizer([alf, an, "user assistant"], phrases=())
+    ids = tok.encode(alf, add_special_tokens=False)
+    toks = tok.convert_ids_to_tokens(ids)
+    in_prompt = PROMPT_PHRASES + (SKILL_PREFIX.strip(),)   # "Skill for this task:"
+    # each phrase in the prompt is one token (the tail holds <think> etc. inside it: longest match wins)
+    for p in in_prompt:
+        assert toks.count(p) == alf.count(p) > 0, p
+    # the same count as the word tokenizer on the prompt with every phrase replaced by one word
+    one_word = alf
+    for p in sorted(in_prompt, key=len, reverse=True):
+        one_word = one_word.replace(p, " PHRASE ")
+    assert len(ids) == len(words.encode(one_word, add_special_tokens=False))
+    assert len(ids) < 0.5 * len(words.encode(alf, add_special_tokens=False))   # this short prompt: 188 → 78
+    # responses keep their word tokens and decode unchanged; the phrases survive save/load
+    r = "<think> </think> <action> go to shelf 1 </action>"
+    assert tok.encode(r, add_special_tokens=False) == [tok.convert_tokens_to_ids(w) for w in r.split()]
+    assert tok.decode(tok.encode(r, add_special_tokens=False)) == r
+    tok.save_pretrained(tmp_path)
+    assert R.load_tokenizer(str(tmp_path)).encode(alf, add_special_tokens=False) == ids
+
+
+def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
+    from env_backends import list_games
+    games = list_games(str(ROOT / "data" / "alfworld"), "train")[:2]
+    extra = sorted((ROOT / "data" / "alfworld_sft").glob("json_2.1.1/*/*/*/walkthrough.json"))[:3]
+    own = cpu_preset.walkthrough_samples(games, 2)
+    both = cpu_preset.walkthrough_samples(games + [str(p) for p in extra], 2)
+    # one sample per walkthrough step with an action
+    n_extra = sum(sum(s["action"] is not None for s in json.loads(p.read_text())["steps"]) for p in extra)
+    assert n_extra > 0 and len(both) == len(own) + n_extra
+    with pytest.raises(SystemExit, match="--sft_walkthroughs"):
+        T.parse_args(["--sft_walkthroughs", str(tmp_path / "missing")])
