@@ -225,7 +225,7 @@ def game_truth(walkthrough: Path) -> dict:
 
 
 def game_rule_skills(walkthrough: Path, with_place: bool = True) -> tuple[str, str]:
-    """`skills.rule_skill` for one game (`game_truth`): the workflow after a success, naming where the
+    """`rule_skill` for one game (`game_truth`): the workflow after a success, naming where the
     walkthrough took the object (privileged: the tiny warm start's skill annotation; `with_place=False`
     leaves the place out), and the avoidance rules after a failure."""
     g = game_truth(walkthrough)
@@ -253,7 +253,7 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
     `gamefiles`: game files (their walkthrough.json beside them is read) or walkthrough.json paths.
 
     skills=True [ours] adds the tiny analogue of the paper's skill-annotated warm start: for every
-    game an analyzer sample after the success (the rule-based workflow of `skills.rule_skill`),
+    game an analyzer sample after the success (the rule-based workflow of `rule_skill`),
     one after a failure (the first half of the walkthrough, avoidance rules), and the walkthrough's
     action turns with that workflow inserted as the skill (skill-conditioned acting).
     """

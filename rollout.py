@@ -224,7 +224,7 @@ class HFEngine:
         self.eos_ids = [i for i in dict.fromkeys([tokenizer.eos_token_id] + gc_eos) if i is not None and i < len(tokenizer)]
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
             raise ValueError(f"HFEngine needs a pad token that is not EOS (pad {tokenizer.pad_token_id}, EOS "
-                             f"{tokenizer.eos_token_id}): train.load_tokenizer picks one")
+                             f"{tokenizer.eos_token_id}): rollout.load_tokenizer picks one")
         self.pad_id = tokenizer.pad_token_id
 
     def encode(self, prompt: str) -> list[int]:

@@ -38,7 +38,7 @@ def warm_start(a, extra: list[str]) -> list[str]:
             subprocess.run(cmd, check=True, cwd=ROOT)
     if not (path / "config.json").exists():
         raise SystemExit(f"error: --warm_start {path}: not a Hugging Face model folder (no config.json)")
-    # a tiny-preset checkpoint gets the tiny preset's settings by itself (train.is_tiny); flags given after
+    # a tiny-preset checkpoint gets the tiny preset's settings by itself (cpu_preset.is_tiny); flags given after
     # `--` come later on the command line and win
     return ["--model", str(path), "--sft_steps", "0"]
 
@@ -92,7 +92,7 @@ def main(argv=None):
         end = [r.get("eval/success") for r in runs if r.get("eval/success") is not None]
         per = {t: [r[f"eval/success_{t}"] for r in runs if f"eval/success_{t}" in r] for t in TYPES}
         steps = [len(r["curve"]) for r in runs]
-        # end − start of each run: both evaluations of a seed draw the same random numbers (train.evaluate)
+        # end − start of each run: both evaluations of a seed draw the same random numbers (rollout.evaluate)
         gain = [r["eval/success"] - r["eval/success_at_start"] for r in runs
                 if r.get("eval/success") is not None and r.get("eval/success_at_start") is not None]
         table[algo] = {"start": start, "end": end, "gain": gain, "per_type": per, "rl_steps": steps}

@@ -3,7 +3,7 @@
 On held-out ALFWorld games it plays the same episodes (same sampling seed in every condition, so
 the comparisons are paired) with:
   none        no skill (the usual evaluation);
-  oracle      the rule-based workflow `skills.rule_skill` of the game itself, naming where its
+  oracle      the rule-based workflow `cpu_preset.rule_skill` of the game itself, naming where its
               walkthrough found the object (privileged: what the tiny warm start was trained with);
   generic     the same workflow without the object's place;
   other       the oracle skill of a held-out game of another task type (a wrong skill);

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (train.save_checkpoint / load_checkpoint, torch.distributed.checkpoint): exact restore of
+"""Sharded checkpoints (distributed.save_checkpoint / load_checkpoint, torch.distributed.checkpoint): exact restore of
 model, AdamW and RNG; the previous checkpoint kept; fallback from a damaged one; crashed temp folders ignored;
 per-rank shard files and exact resume under two gloo ranks (torchrun runs this file as its worker)."""
 import json
