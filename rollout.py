@@ -79,6 +79,7 @@ class Episode:
     error: Optional[str] = None
     skill: Optional[str] = None                # skill in the prompt (replays / teacher), None = student
     overflow: int = 0                          # turns whose prompt did not fit even without history (invalid)
+    step_rewards: list[float] = field(default_factory=list)   # the env's reward at each step
 
 
 @dataclass
@@ -641,6 +642,7 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
                 continue
             o, reward, done, info = r
             ep.steps.append((obs[i], actions[i]))
+            ep.step_rewards.append(float(reward))
             ep.reward += float(reward)
             ep.won = ep.won or bool(info.get("won", False))
             if info.get("error"):

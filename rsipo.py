@@ -61,6 +61,23 @@ Deviations and choices not fixed by the paper
    positions outside the mask *before* ``exp``: a padded position holds arbitrary numbers (the
    trainer fills ℓ_ref = 0 there), and exp(−ℓ) at ℓ < −88.7 is inf in fp32, which the mask's
    multiplication by 0 would turn into NaN.
+9. **[ours] Three token means, so that algorithms are compared on equal terms.** The trainer
+   passes, per mini-batch: for the PG term (``pg_n_tokens``) the tokens of the turns that carry a
+   policy gradient, i.e. under ``--drop_zero_adv`` the turns with A ≠ 0, exactly GRPO's sample set:
+   teacher-only turns (A = 0, kept for the OPSD term) no longer dilute RSIPO's PG term (they halved
+   the gradient of an A = +1 turn in a mini-batch of two). For KL and entropy (``reg_n_tokens``)
+   every trained token of the mini-batch, turns and skill-writing responses alike, so a skill
+   token is regularised exactly like an action token (as a separate mean over the few skill
+   tokens it weighed ~n_turn/n_skill times more, ~50x at the recipes' batch). For OPSD
+   (``n_tokens``) the student tokens. The skill PG term stays η times its own token mean.
+10. **GiGPO's step-level advantage** (``step_returns``, ``step_advantages``): within a task's
+   group, turns that acted on the identical observation (an anchor state) form a step group;
+   their γ-discounted returns G_t = r_t + γ·G_{t+1} (r_t the step's env reward minus the format
+   penalty) are normalised like Eq. (1) (unbiased std; a singleton or all-equal group gives 0).
+   The trainer adds ω·A_step to Eq. (1) (``--step_adv ω``; ``--algo gigpo``: GRPO with ω = 1,
+   γ = 0.95, verl-agent's published defaults). The episode term is this project's Eq. (1) over
+   turn-samples rather than verl-agent's over episodes **[ours]**. With no repeated state the
+   step term is 0 and the advantage is exactly Eq. (1) (tested).
 
 Testing
 -------
@@ -86,6 +103,8 @@ __all__ = [
     "skill_advantages",
     "opsd_loss",
     "rsipo_loss",
+    "step_returns",
+    "step_advantages",
 ]
 
 
@@ -126,6 +145,30 @@ def group_advantages(scores: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Te
     out_dtype = scores.dtype if scores.is_floating_point() else torch.get_default_dtype()
     return adv.to(out_dtype)
 
+
+
+def step_returns(step_rewards: Tensor, episode_ids: Tensor, gamma: float = 0.95) -> Tensor:
+    """GiGPO's discounted step returns G_t = r_t + γ·G_{t+1} within each episode (deviation 10).
+
+    step_rewards: [T] per-turn rewards; episode_ids: [T]; the turns of an episode appear in step
+    order (not necessarily contiguous). Returns [T] float64-accurate returns in the rewards' dtype.
+    """
+    r = step_rewards.double()  # [T]
+    out = torch.zeros_like(r)  # [T]
+    for e in torch.unique(episode_ids).tolist():
+        idx = (episode_ids == e).nonzero().flatten()  # [n] this episode's turns, in step order
+        g = 0.0
+        for i in reversed(idx.tolist()):
+            g = float(r[i]) + gamma * g
+            out[i] = g
+    return out.to(step_rewards.dtype if step_rewards.is_floating_point() else torch.get_default_dtype())
+
+
+def step_advantages(returns: Tensor, anchor_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """GiGPO's step-level advantage: Eq. (1)'s normalisation of the step returns within anchor-state
+    groups (turns of one task's group that acted on the identical observation). anchor_ids: [T] any
+    integers; a turn alone in its group gets 0. Returns [T]."""
+    return group_advantages(returns, anchor_ids, eps)
 
 # ----------------------------------------------------------------------------------------------
 # Log-probs, entropy, token mean
@@ -329,6 +372,8 @@ def rsipo_loss(
     c_ent: float = 0.001,
     pg_weight: float = 1.0,
     n_tokens: float | Tensor | None = None,
+    pg_n_tokens: float | Tensor | None = None,
+    reg_n_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict]:
     """Eq. (12) for a batch of samples of one kind:
     L = pg_weight·L_PG + α·L_OPSD + c_KL·KL_k3 − c_H·H.
@@ -339,9 +384,13 @@ def rsipo_loss(
     A term is skipped when its input is None or its coefficient is 0: entropy=None or c_ent=0 →
     no entropy bonus; ref_logp=None or c_kl=0 → no KL; teacher_logp=None or alpha=0 → no OPSD.
     With no OPSD term this is exactly the GRPO loss (tested). All tensors [B,L] except
-    advantages/trust ([B] or [B,L]); n_tokens as in ``masked_token_mean``.
+    advantages/trust ([B] or [B,L]). Token-mean denominators (deviation 9): ``n_tokens`` for the
+    OPSD term, ``pg_n_tokens`` for the PG term and ``reg_n_tokens`` for KL and entropy, each
+    defaulting to ``n_tokens`` (as in ``masked_token_mean``).
     """
-    pg, metrics = policy_loss(logp, old_logp, advantages, mask, clip_eps=clip_eps, n_tokens=n_tokens)
+    pg_n = n_tokens if pg_n_tokens is None else pg_n_tokens
+    reg_n = n_tokens if reg_n_tokens is None else reg_n_tokens
+    pg, metrics = policy_loss(logp, old_logp, advantages, mask, clip_eps=clip_eps, n_tokens=pg_n)
     loss = pg_weight * pg  # Eq. (12) L_PG (or η·L_skill)
     if teacher_logp is not None and alpha != 0.0:
         if trust is None:
@@ -350,11 +399,11 @@ def rsipo_loss(
         loss = loss + alpha * opsd  # Eq. (12) α·L_OPSD
         metrics.update(m)
     if ref_logp is not None and c_kl != 0.0:
-        kl, m = kl_k3(logp, ref_logp, mask, n_tokens=n_tokens)
+        kl, m = kl_k3(logp, ref_logp, mask, n_tokens=reg_n)
         loss = loss + c_kl * kl  # Eq. (12) c_KL·KL_k3(π_θ‖π_ref)
         metrics.update(m)
     if entropy is not None and c_ent != 0.0:
-        ent = masked_token_mean(entropy, mask, n_tokens)  # H, token mean
+        ent = masked_token_mean(entropy, mask, reg_n)  # H, token mean
         loss = loss - c_ent * ent  # Eq. (12) −c_H·H
         metrics["entropy"] = float(ent.detach())
     metrics["loss"] = float(loss.detach())

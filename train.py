@@ -81,7 +81,8 @@ class Args:
     run_name: str = arg("default", "name of the run; outputs go to <out_dir>/<run_name>/")
     out_dir: str = arg("runs", "folder for runs")
     seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
-    algo: str = arg("rsipo", "rsipo | grpo | opsd (METHOD.md §3: the method and its two baselines)")
+    algo: str = arg("rsipo", "rsipo | grpo | gigpo | opsd (METHOD.md §3: the method and its baselines; gigpo is "
+                             "GRPO with --step_adv 1)")
     resume: bool = arg(True, "resume from <run>/ckpt if it exists")
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
     # --- model ---
@@ -117,6 +118,9 @@ class Args:
     lr: float = arg(1e-6, "RL learning rate (papers: 1e-6)")
     lr_warmup: int = arg(0, "linear warmup of the RL learning rate over this many optimizer steps [ours]")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate, Eq. (10)")
+    step_adv: float = arg(0.0, "ω: weight of GiGPO's step-level advantage (anchor-state groups) added to Eq. (1); "
+                               "combines with any --algo (0 = off; --algo gigpo: 1)")
+    step_gamma: float = arg(0.95, "γ: discount of GiGPO's step returns (verl-agent: 0.95)")
     c_kl: float = arg(0.01, "coefficient of the k3 KL to the reference model, Eq. (12) (papers: 0.01, search 0.001)")
     c_ent: float = arg(0.001, "entropy bonus coefficient, Eq. (12)")
     p_fmt: float = arg(0.1, "format penalty per turn without a parsable action (ALFWorld 0.1)")
@@ -163,11 +167,17 @@ class Args:
     eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
     save_every: int = arg(4, "checkpoint every k RL steps")
 
+    @property
+    def uses_skills(self) -> bool:   # opsd and rsipo write skills and score with a teacher; grpo, gigpo do not
+        return self.algo in ("opsd", "rsipo")
+
     def validate(self):
         def bad(flag, why):
             raise SystemExit(f"error: --{flag} {why}")
-        if self.algo not in ("grpo", "opsd", "rsipo"):
-            bad("algo", f"must be grpo, opsd or rsipo, got {self.algo!r}")
+        if self.algo not in ("grpo", "gigpo", "opsd", "rsipo"):
+            bad("algo", f"must be grpo, gigpo, opsd or rsipo, got {self.algo!r}")
+        if self.step_adv < 0 or not (0 < self.step_gamma <= 1):
+            bad("step_adv", f"must be >= 0 and --step_gamma in (0, 1], got {self.step_adv}, {self.step_gamma}")
         for f in ("steps", "sft_steps", "eval_games", "eval_every", "save_every"):
             if getattr(self, f) < 0:
                 bad(f, f"must be >= 0, got {getattr(self, f)}")
@@ -243,11 +253,17 @@ def _bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
-def presets_for(model: str, env: str) -> dict:
-    """The preset defaults a run with this --model and --env gets (tiny first, then search)."""
+# --algo gigpo: GRPO with GiGPO's step-level advantage at verl-agent's published weight
+GIGPO_DEFAULTS = {"step_adv": 1.0}
+
+
+def presets_for(model: str, env: str, algo: str = "") -> dict:
+    """The preset defaults a run with this --model, --env and --algo gets (tiny, then search, then gigpo)."""
     out = dict(TINY_DEFAULTS) if is_tiny(model) else {}
     if env == "search":
         out.update(SEARCH_DEFAULTS)
+    if algo == "gigpo":
+        out.update(GIGPO_DEFAULTS)
     return out
 
 
@@ -256,13 +272,13 @@ def parse_args(argv=None) -> Args:
     defaults. `--help` lists each flag's default and the preset values that replace it."""
     p = argparse.ArgumentParser(description="RSIPO trainer (see the module docstring)")
     for f in dataclasses.fields(Args):
-        notes = [f"{name}: {d[f.name]}" for name, d in (("tiny", TINY_DEFAULTS), ("search", SEARCH_DEFAULTS))
-                 if f.name in d]
+        notes = [f"{name}: {d[f.name]}" for name, d in (("tiny", TINY_DEFAULTS), ("search", SEARCH_DEFAULTS),
+                                                         ("gigpo", GIGPO_DEFAULTS)) if f.name in d]
         help = f"{f.metadata['help']} [default {f.default}" + "".join(f"; {n}" for n in notes) + "]"
         t = _bool if f.type in ("bool", "Optional[bool]") else _ARG_TYPES[f.type]
         p.add_argument(f"--{f.name}", type=t, default=f.default, help=help.replace("%", "%%"))
     ns = vars(p.parse_args(argv))
-    presets = presets_for(ns["model"], ns["env"])
+    presets = presets_for(ns["model"], ns["env"], ns["algo"])
     if presets:
         unset = object()         # parse again with a marker default: a flag still at it was not given
         p.set_defaults(**{k: unset for k in presets})
@@ -480,8 +496,11 @@ def _place(rows: list[torch.Tensor | None], samples: list[Sample], shape, device
 
 def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_teacher: bool):
     """One epoch over this rank's samples in mini-batches (Eq. 10-12). Within a mini-batch the
-    student turns and the skill-writing samples each get their own token mean (rsipo.py note 3);
-    all ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
+    student turns and the skill-writing samples run as separate calls (rsipo.py note 3) with three
+    token means over all ranks (rsipo.py note 9) [ours]: the PG term over the turns that carry a policy
+    gradient (the A ≠ 0 ones under --drop_zero_adv: GRPO's own sample set), OPSD over the student
+    turns, KL and entropy over every trained token; the skill PG term is η times its own token mean.
+    All ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
     order = list(range(len(samples)))
     random.shuffle(order)
     per_rank_mb = max(1, args.mini_batch // D.WORLD)
@@ -497,9 +516,13 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
     for m in range(n_mini):
         chunk = [samples[i] for i in order[m * per_rank_mb:(m + 1) * per_rank_mb]]
         opt.zero_grad(set_to_none=True)
+        pg_bearing = [sm for sm in chunk if not sm.skill and (sm.adv != 0.0 or not args.drop_zero_adv)]
+        n_turn, n_pg, n_skill = (float(x) / D.WORLD for x in all_reduce(
+            [sum(len(sm.response_ids) for sm in chunk if not sm.skill), sum(len(sm.response_ids) for sm in pg_bearing),
+             sum(len(sm.response_ids) for sm in chunk if sm.skill)]))
         for kind in (False, True):   # student turns, then skill-writing samples
             part = [sm for sm in chunk if sm.skill == kind]
-            n_tok = float(all_reduce(sum(len(sm.response_ids) for sm in part))[0]) / D.WORLD
+            n_tok = n_skill if kind else n_turn
             # [ours] with a token budget similar lengths go together (order is free in a mini-batch);
             # ranks with fewer micro-batches run zero-weight dummies to keep FSDP collectives in step
             for sub, empty in aligned_micro_batches(part, [len(sm.prompt_ids) + len(sm.response_ids) for sm in part],
@@ -523,7 +546,9 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
                 loss, mt = rsipo.rsipo_loss(lp, old, A, mask, entropy=ent, ref_logp=ref, teacher_logp=teach,
                                             trust=lam if teach is not None else None, clip_eps=args.clip_eps,
                                             beta=args.beta, alpha=args.alpha, c_kl=args.c_kl, c_ent=args.c_ent,
-                                            pg_weight=args.eta if kind else 1.0, n_tokens=max(n_tok, 1.0))
+                                            pg_weight=args.eta if kind else 1.0, n_tokens=max(n_tok, 1.0),
+                                            pg_n_tokens=max(n_tok if kind else n_pg, 1.0),
+                                            reg_n_tokens=max(n_turn + n_skill, 1.0))
                 loss.backward()
                 n_loc = float(mask.sum())
                 wtok += n_loc * (not kind)
@@ -676,7 +701,7 @@ def rl_step(run: Run, step: int) -> bool:
     a, timer = run.args, Timer()
     with timer("rollout"):
         b = rollout_and_advantages(run)
-    if a.algo != "grpo":
+    if a.uses_skills:
         with timer("skills"):
             write_skills(run, b)
         if a.algo == "rsipo":
@@ -689,7 +714,7 @@ def rl_step(run: Run, step: int) -> bool:
         samples, skill_samples = score(run, b)
     with timer("update"):
         um = update(run.model, run.opt, samples + skill_samples, a, run.tok.pad_token_id, run.device,
-                    use_teacher=a.algo != "grpo")
+                    use_teacher=a.uses_skills)
     with timer("sync"):
         sync_weights(run)
     return log_eval_save(run, step, b, samples, skill_samples, um, timer)
@@ -708,9 +733,18 @@ def rollout_and_advantages(run: Run) -> Batch:
     R = torch.tensor([eps[tr.episode_id].reward for tr in turns])             # [T] episode rewards
     invalid = torch.tensor([tr.invalid for tr in turns])                      # [T]
     gid = torch.tensor([tr.group_id for tr in turns])                         # [T]
-    adv = rsipo.group_advantages(rsipo.turn_scores(R, invalid, a.p_fmt), gid).tolist() if turns else []  # Eq. (1)
+    adv = rsipo.group_advantages(rsipo.turn_scores(R, invalid, a.p_fmt), gid) if turns else torch.zeros(0)  # Eq. (1)
+    metrics = {}
+    if a.step_adv > 0 and turns:          # GiGPO's step term: turns that acted on the same observation
+        r = torch.tensor([eps[tr.episode_id].step_rewards[tr.step] for tr in turns]) - a.p_fmt * invalid.double()
+        anchors: dict = {}
+        aid = torch.tensor([anchors.setdefault((tr.group_id, eps[tr.episode_id].steps[tr.step][0]), len(anchors))
+                            for tr in turns])                                  # [T] anchor-state group ids
+        G = rsipo.step_returns(r, torch.tensor([tr.episode_id for tr in turns]), a.step_gamma)   # [T]
+        adv = adv + a.step_adv * rsipo.step_advantages(G, aid).to(adv.dtype)
+        metrics["gigpo/anchored_frac"] = float((torch.bincount(aid)[aid] > 1).float().mean())
     records = [TaskRecord(t[run.pool.task_key], eps[k * N].task_type, gain=a.r_bad) for k, t in enumerate(tasks)]
-    return Batch(tasks, eps, turns, adv, records)
+    return Batch(tasks, eps, turns, adv.tolist(), records, metrics=metrics)
 
 
 def write_skills(run: Run, b: Batch):
@@ -820,7 +854,8 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
         if A == 0.0 and lam > 0 and a.opsd_keep < 1.0 and run.skill_rng.random() >= a.opsd_keep:
             continue                      # [ours] a teacher-only turn, subsampled (--opsd_keep)
         samples.append(Sample(tr.prompt_ids, tr.response_ids, A, None, trust=lam, turn=tr))
-    mine_k = [k for k, r in enumerate(b.records) if r.skill_adv is not None and b.skill_gens[k].token_ids]
+    # [ours] η = 0 turns skill-writing training off altogether (its KL and entropy too)
+    mine_k = [k for k, r in enumerate(b.records) if r.skill_adv is not None and b.skill_gens[k].token_ids and a.eta > 0]
     skill_samples = [Sample(b.skill_gens[k].prompt_ids, b.skill_gens[k].token_ids, b.records[k].skill_adv, None,
                             skill=True) for k in mine_k]
     for group in (skill_samples, samples):
@@ -833,7 +868,7 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     b.metrics.update(sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
                                  + [(sm.old, b.skill_gens[k].logprobs) for sm, k in zip(skill_samples, mine_k)
                                     if b.skill_gens[k].free]))
-    if a.algo != "grpo":
+    if a.uses_skills:
         kept = [sm for sm in samples if sm.trust > 0]
         teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
                               run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
@@ -970,7 +1005,7 @@ def build_policy(run: Run):
             p.requires_grad_(False)
         run.engine = HFEngine(run.rollout_model, run.tok, **kw)
     # student prompts of opsd/rsipo leave room for the skill line the teacher inserts later
-    run.skill_reserve = 0 if a.algo == "grpo" else run.engine.prompt_len(SKILL_PREFIX + "[]") + a.skill_max_tokens
+    run.skill_reserve = 0 if not a.uses_skills else run.engine.prompt_len(SKILL_PREFIX + "[]") + a.skill_max_tokens
 
 
 def _chunks(xs: list, n: int):
@@ -1008,7 +1043,7 @@ def warm_start(run: Run):
     """SFT on --sft_data (or the tiny preset's walkthroughs), saved as warm_start/; the start's evaluation."""
     a = run.args
     pairs = load_sft_jsonl(a.sft_data) if a.sft_data else (
-        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.algo != "grpo") if a.model == "tiny" else [])
+        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills) if a.model == "tiny" else [])
     if pairs and a.sft_steps:
         t0 = time.time()
         run.summary["sft/final_loss"] = loss = sft(run.model, run.tok, pairs, a, run.device)

@@ -396,3 +396,48 @@ def test_end_to_end_linear_policy_learns():
         lp_new = token_logprobs(policy(feats), targets)
     # the sampled tokens became more likely on average
     assert masked_token_mean(lp_new - old, mask).item() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GiGPO's step-level advantage (deviation 10)
+
+
+def test_step_returns_and_anchor_group_advantages_by_hand():
+    from rsipo import step_advantages, step_returns
+    # two episodes of one task. ep 0: obs a, b, c, wins at its 3rd step (r = 10); ep 1: obs a, d, its
+    # 1st turn unparsable (r = -0.1). γ = 0.95.
+    r = torch.tensor([0.0, 0.0, 10.0, -0.1, 0.0])
+    ep = torch.tensor([0, 0, 0, 1, 1])
+    G = step_returns(r, ep, 0.95)
+    # ep 0: G2 = 10, G1 = 0 + 0.95·10 = 9.5, G0 = 0.95·9.5 = 9.025; ep 1: G1 = 0, G0 = -0.1
+    assert torch.allclose(G, torch.tensor([9.025, 9.5, 10.0, -0.1, 0.0]), **TOL)
+    # anchors: turn 0 and turn 3 acted on the same first observation; the others are alone
+    A = step_advantages(G, torch.tensor([0, 1, 2, 0, 3]))
+    # group {9.025, -0.1}: mean 4.4625, unbiased std |9.025 + 0.1|/√2 = 6.45235; A = ±4.5625/6.45235 = ±0.707107
+    assert torch.allclose(A, torch.tensor([0.7071067, 0.0, 0.0, -0.7071067, 0.0]), atol=1e-5)
+
+
+def test_a_gigpo_group_without_repeated_states_is_grpo_exactly():
+    from rsipo import step_advantages, step_returns
+    torch.manual_seed(0)
+    s = torch.randn(12)
+    gid = torch.tensor([0] * 6 + [1] * 6)
+    grpo = group_advantages(s, gid)
+    step = step_advantages(step_returns(torch.randn(12), torch.arange(12) // 3, 0.95), torch.arange(12))
+    assert torch.count_nonzero(step) == 0 and torch.equal(grpo + 1.0 * step.to(grpo.dtype), grpo)
+
+
+def test_separate_token_means_for_pg_opsd_and_regularisers():
+    # one sample, 2 tokens; the PG term over pg_n_tokens = 4, KL over reg_n_tokens = 8, OPSD over n_tokens = 2
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    old, ref, teach = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0), torch.full((1, 2), -1.0)
+    loss, m = rsipo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), ref_logp=ref, teacher_logp=teach,
+                         trust=torch.tensor([1.0]), alpha=1.0, c_kl=1.0, c_ent=0.0, n_tokens=2.0, pg_n_tokens=4.0,
+                         reg_n_tokens=8.0)
+    # ρ = 1: PG = −(1 + 1)/4 = −0.5; k3 at d = −1: e^-1 − (−1) − 1 = 0.3678794 per token → 2·0.3679/8;
+    # OPSD: d = 0 → 0
+    assert abs(m["pg/loss"] + 0.5) < 1e-6 and abs(m["kl/k3"] - 2 * math.exp(-1) / 8) < 1e-6
+    loss.backward()
+    # ∂/∂ℓ per token: PG −1/4; KL (1 − e^d)/8 = (1 − e^-1)/8; OPSD −λ·σ(0)/2 = −0.25
+    g = -0.25 + (1 - math.exp(-1)) / 8 - 0.25
+    assert torch.allclose(logp.grad, torch.full((1, 2), g), **TOL)

@@ -314,3 +314,54 @@ def test_a_turn_without_teacher_log_probs_gets_no_opsd_gradient():
         T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=True)
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
     assert all(torch.equal(a, b) for a, b in zip(grads(0.8), grads(0.0)))
+
+
+def _update_grads(samples, **kw):
+    args = T.Args(**{"tiny_hidden": 32, "c_kl": 0.0, "c_ent": 0.0, "micro_batch": 4, "mini_batch": 8, "alpha": 0.0,
+                     "grad_clip": 1e9, **kw})   # no clipping: it would rescale both gradients to the same norm
+    torch.manual_seed(0)
+    model = cpu_preset.tiny_model(50, args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    T.update(model, opt, samples, args, pad_id=0, device="cpu", use_teacher=kw.get("alpha", 0) > 0)
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_teacher_only_turns_do_not_dilute_the_policy_gradient():
+    # Under --drop_zero_adv GRPO trains only A ≠ 0 turns; RSIPO also keeps teacher-only turns (A = 0) for the
+    # OPSD term. They must not enter the PG term's token mean: the A = +1 turn's PG gradient is GRPO's
+    # (before, a teacher-only turn of the same length halved it: −0.025 against −0.05).
+    win = T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0))
+    teacher_only = T.Sample([1, 2], [6, 7], 0.0, torch.full((2,), -3.0), trust=0.7)
+    alone = _update_grads([win], drop_zero_adv=True)
+    both = _update_grads([win, teacher_only], drop_zero_adv=True)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(alone, both))
+    assert any(a.abs().sum() > 0 for a in alone)
+
+
+def test_skill_tokens_are_regularised_like_action_tokens():
+    # KL on skill-writing tokens has the per-token weight of KL on action tokens (one token mean over all
+    # trained tokens): a skill sample with A = 0 gives the same gradient as the same tokens as a turn with A = 0
+    ref = torch.full((2,), -4.0)
+    turn = T.Sample([1, 2, 3], [4, 5], 0.0, torch.full((2,), -3.0), ref)
+    as_skill = T.Sample([3, 4], [8, 9], 0.0, torch.full((2,), -3.0), ref, skill=True)
+    as_turn = T.Sample([3, 4], [8, 9], 0.0, torch.full((2,), -3.0), ref)
+    g_skill = _update_grads([turn, as_skill], c_kl=0.5, drop_zero_adv=False)
+    g_turn = _update_grads([turn, as_turn], c_kl=0.5, drop_zero_adv=False)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_skill, g_turn))
+    assert any(a.abs().sum() > 0 for a in g_skill)
+
+
+def test_algo_gigpo_is_grpo_with_the_step_advantage():
+    a = T.parse_args(["--algo", "gigpo"])
+    assert (a.step_adv, a.step_gamma, a.uses_skills) == (1.0, 0.95, False)
+    assert T.parse_args(["--algo", "gigpo", "--step_adv", "0.5"]).step_adv == 0.5
+    assert T.parse_args(["--algo", "rsipo", "--step_adv", "1"]).uses_skills   # combines with RSIPO
+    assert T.parse_args([]).step_adv == 0.0
+
+
+def test_gigpo_run_end_to_end_single_process(tmp_path):
+    T.main(TINY + ["--algo", "gigpo", "--steps", "1", "--eval", "false", "--out_dir", str(tmp_path), "--run_name", "gi"])
+    row = [json.loads(l) for l in (tmp_path / "gi" / "metrics.jsonl").read_text().splitlines() if "train/success" in l][0]
+    # N = 2 copies of each task start from the same observation: their first turns share an anchor state
+    assert 0 < row["gigpo/anchored_frac"] <= 1 and "skill/valid_frac" not in row
+    assert torch.isfinite(torch.tensor(row["loss"]))
