@@ -22,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: train.py runs there, as in the README
 TYPES = ["pick", "look", "clean", "heat", "cool", "pick2"]
+INTERNALS = ["skill/valid_frac", "skill/names_target", "replay/gain_mean", "replay/uninformative", "trust/mean",
+             "trust/shrink_mean", "opsd/gate_mean", "opsd/gap_mean", "gigpo/anchored_frac", "train/success"]
 
 
 def warm_start(a, extra: list[str]) -> list[str]:
@@ -54,6 +56,9 @@ def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
     s = json.loads(summary.read_text())
     rows = [json.loads(l) for l in (Path(a.out) / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
     s["curve"] = [(r["train/env_steps_total"], r["train/success"]) for r in rows if "train/env_steps_total" in r]
+    # the run's internals, means over its RL steps (those it logged: RSIPO's skills, replay and trust; GiGPO's anchors)
+    s["internals"] = {k: statistics.mean(v) for k in INTERNALS
+                      if (v := [r[k] for r in rows if isinstance(r.get(k), (int, float))])}
     return s
 
 
@@ -95,7 +100,11 @@ def main(argv=None):
         # end − start of each run: both evaluations of a seed draw the same random numbers (rollout.evaluate)
         gain = [r["eval/success"] - r["eval/success_at_start"] for r in runs
                 if r.get("eval/success") is not None and r.get("eval/success_at_start") is not None]
-        table[algo] = {"start": start, "end": end, "gain": gain, "per_type": per, "rl_steps": steps}
+        # the mean gain over seeds and its standard error over seeds (std with n − 1, over √n)
+        se = statistics.stdev(gain) / len(gain) ** 0.5 if len(gain) > 1 else float("nan")
+        table[algo] = {"start": start, "end": end, "gain": gain, "gain_mean": statistics.mean(gain) if gain else float("nan"),
+                       "gain_se": se, "per_type": per, "rl_steps": steps,
+                       "internals": [r["internals"] for r in runs]}
         lines.append(f"| {algo} | {fmt(start)} | {fmt(end)} | {fmt(gain)} | " + " | ".join(fmt(per[t]) for t in TYPES)
                      + f" | {', '.join(map(str, steps))} |")
     md = "\n".join(lines) + "\n"

@@ -54,3 +54,7 @@ def test_table_from_finished_runs(tmp_path):
     table = json.loads((tmp_path / "compare.json").read_text())["table"]
     assert table["grpo"]["end"] == [0.2, 0.3]
     assert table["grpo"]["gain"] == pytest.approx([0.1, 0.2])
+    # mean gain 0.15; its s.e. over seeds: stdev(0.1, 0.2) = 0.0707107, over √2 = 0.05
+    assert table["grpo"]["gain_mean"] == pytest.approx(0.15) and table["grpo"]["gain_se"] == pytest.approx(0.05)
+    # internals: means over each run's logged steps (train/success 0.1, 0.2, 0.3 → 0.2)
+    assert table["rsipo"]["internals"][0]["train/success"] == pytest.approx(0.2)
