@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -300,6 +301,10 @@ class EnvData:
     eval: list[str]
     task_type: dict[str, str]
     records: dict = field(default_factory=dict)   # search: question id → record (env_backends.load_qa)
+
+    @property
+    def train_types(self) -> list[str]:   # the task type of each training task, in order (draw_tasks)
+        return [self.task_type[t] for t in self.train]
 
 
 def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> list[int]:
@@ -593,23 +598,6 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
     return metrics
 
 
-def plot_curves(run_dir: Path, rows: list[dict]):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-    s = [r["step"] for r in rows if "train/success" in r]
-    ax[0].plot(s, [r["train/success"] for r in rows if "train/success" in r], label="train rollouts")
-    ev = [r for r in rows if "eval/success" in r]
-    ax[0].plot([r["step"] for r in ev], [r["eval/success"] for r in ev], "o-", label="held-out eval")
-    ax[0].set_xlabel("RL step"), ax[0].set_ylabel("success"), ax[0].legend(), ax[0].set_ylim(0, 1)
-    ax[1].plot(s, [r["train/reward"] for r in rows if "train/reward" in r])
-    ax[1].set_xlabel("RL step"), ax[1].set_ylabel("mean episode reward")
-    fig.tight_layout()
-    fig.savefig(run_dir / "curves.png", dpi=100)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------------------
 # The run and one step's batch
 # ---------------------------------------------------------------------------------------------
@@ -640,6 +628,7 @@ class Batch:
     records: list[TaskRecord]
     skill_gens: list[Generation] = field(default_factory=list)   # the skill-writing responses, per task
     replay_eps: list[Episode] = field(default_factory=list)
+    teacher_overflow: int = 0             # kept turns whose teacher prompt did not fit (no teacher signal)
     metrics: dict = field(default_factory=dict)
 
 
@@ -674,7 +663,7 @@ class Run:
     def scorer(self):                     # π_old: the weights that sampled
         return self.rollout_model if self.rollout_model is not None else self.model
 
-    def score(self, model, pairs):        # per-sample response log-probs under `model`, no grad
+    def logprobs(self, model, pairs):     # per-sample response log-probs under `model`, no grad
         return score_tokens(model, pairs, self.tok.pad_token_id, self.device, self.args.micro_batch,
                             self.args.micro_tokens)
 
@@ -707,8 +696,6 @@ def rl_step(run: Run, step: int) -> bool:
         if a.algo == "rsipo":
             with timer("replay"):
                 replay(run, b)
-        if a.engine == "vllm":
-            run.engine.sleep()            # generation is over for this step: free vLLM's GPU memory
         trust(run, b, step)
     with timer("score"):
         samples, skill_samples = score(run, b)
@@ -724,8 +711,7 @@ def rollout_and_advantages(run: Run) -> Batch:
     """Student rollouts (§2.1): N episodes of each of this rank's tasks from the same start, then Eq. (1)
     over each task's turn-samples, with the format penalty of unparsable turns."""
     a, N = run.args, run.args.group_size
-    picks = draw_tasks(run.task_rng, [run.data.task_type[g] for g in run.data.train], a.tasks_per_step,
-                       a.tasks_by_type)
+    picks = draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
     tasks = [{run.pool.task_key: run.data.train[i]} for i in picks[D.RANK::D.WORLD]]
     eps = run_episodes(run.engine, run.pool, tasks, N, history_len=a.history_len, temperature=a.temperature,
                        constrained=a.constrained, reserve=run.skill_reserve)   # group id = task index k
@@ -845,7 +831,7 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     the task line of the student's prompt, under π_old. Skill-writing responses are samples too (rsipo)."""
     a = run.args
     if a.engine == "vllm":
-        run.engine.sleep()
+        run.engine.sleep()                # generation is over for this step: free vLLM's GPU memory
     samples = []
     for tr, A in zip(b.turns, b.adv):
         lam = b.records[tr.group_id].trust
@@ -860,9 +846,9 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
                             skill=True) for k in mine_k]
     for group in (skill_samples, samples):
         pairs = [(sm.prompt_ids, sm.response_ids) for sm in group]
-        for sm, o in zip(group, run.score(run.scorer, pairs)):
+        for sm, o in zip(group, run.logprobs(run.scorer, pairs)):
             sm.old = o
-        for sm, r in zip(group, run.score(run.ref, pairs) if run.ref is not None else []):
+        for sm, r in zip(group, run.logprobs(run.ref, pairs) if run.ref is not None else []):
             sm.ref = r
     # the sampler's log-probs against π_old on the freely sampled tokens (T 1, top-p 1, unconstrained)
     b.metrics.update(sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
@@ -873,8 +859,8 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
         teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
                               run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
         fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
-        b.metrics["teacher/prompt_overflow"] = len(kept) - len(fit)   # those turns: no teacher signal
-        for j, lt in zip(fit, run.score(run.scorer, [teach[j] for j in fit])):
+        b.teacher_overflow = len(kept) - len(fit)
+        for j, lt in zip(fit, run.logprobs(run.scorer, [teach[j] for j in fit])):
             kept[j].teacher = lt          # ℓ^T = log π_old(y | teacher prompt)
     return samples, skill_samples
 
@@ -898,7 +884,7 @@ def log_eval_save(run: Run, step: int, b: Batch, samples: list[Sample], skill_sa
                         len(samples), sum(len(tr.response_ids) for tr in b.turns),
                         sum(len(sm.prompt_ids) + len(sm.response_ids) for sm in samples + skill_samples),
                         sum(len(e.steps) for e in b.eps + b.replay_eps), sum(e.overflow for e in b.eps + b.replay_eps),
-                        b.metrics.pop("teacher/prompt_overflow", 0)])
+                        b.teacher_overflow])
     run.env_steps += int(stats[9])
     row = {"step": step + 1, "train/success": stats[0] / max(1, stats[1]), "train/reward": stats[2] / max(1, stats[1]),
            "train/invalid_frac": stats[3] / max(1, stats[4]), "train/turns": int(stats[4]),
@@ -913,10 +899,11 @@ def log_eval_save(run: Run, step: int, b: Batch, samples: list[Sample], skill_sa
     progress(f"step {step + 1:4d} | success {row['train/success']:.3f} | reward {row['train/reward']:.2f} | invalid "
            f"{row['train/invalid_frac']:.3f} | kl {row.get('kl/k3', 0):.4f} | {row['time/step']:.0f}s "
            f"(rollout {timer.times['time/rollout']:.0f}s)")
-    for e in b.eps:                        # the latest won and lost episode, with their task's skill
-        run.episodes["won" if e.won else "lost"] = {
-            "task": e.task, "task_type": e.task_type, "skill": b.records[e.group_id].skill, "reward": e.reward,
-            "won": e.won, "steps": [list(s) for s in e.steps], "step": step + 1}
+    for key, won in (("won", True), ("lost", False)):   # the step's last won and lost episode, with its skill
+        e = next((e for e in reversed(b.eps) if e.won == won), None)
+        if e is not None:
+            run.episodes[key] = {"task": e.task, "task_type": e.task_type, "skill": b.records[e.group_id].skill,
+                                 "reward": e.reward, "won": e.won, "steps": [list(s) for s in e.steps], "step": step + 1}
     stop = bool(a.max_env_steps) and run.env_steps >= a.max_env_steps
     if a.save_every and ((step + 1) % a.save_every == 0 or step + 1 == a.steps or stop):
         save_checkpoint(run.run_dir, run.model, run.opt, step + 1, a,
@@ -1031,7 +1018,7 @@ def begin(run: Run):
                     if r.get("step", 0) <= run.start] if path.exists() else []
         run.env_steps = next((r["train/env_steps_total"] for r in reversed(run.rows) if "train/env_steps_total" in r), 0)
         for _ in range(run.start):        # replay the task sampler: a resumed run draws the same tasks
-            draw_tasks(run.task_rng, [run.data.task_type[g] for g in run.data.train], a.tasks_per_step, a.tasks_by_type)
+            draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
         print0(f"resumed from {state['path']} at step {run.start}")
     else:
         warm_start(run)
@@ -1114,7 +1101,6 @@ def finish(run: Run):
         log_row(run, {"step": run.rows[-1]["step"] if run.rows else 0, **ev})
     save_policy(run, run.run_dir / "final")
     if D.RANK == 0:                       # one writer, atomic files
-        plot_curves(run.run_dir, run.rows)
         _write_json(run.run_dir / "summary.json", s)
         _write_json(run.run_dir / "episodes.json", {"won": run.episodes.get("won"), "lost": run.episodes.get("lost")})
         if a.algo == "rsipo":
@@ -1122,6 +1108,9 @@ def finish(run: Run):
             print0(f"skill bank ({len(run.bank)} skills), a few of them:\n{run.bank.summary(2)}")
         import report
         print0(f"report: {report.write_report(run.run_dir)}")
+        curves = run.run_dir / "report" / "curves.png"      # the report's learning curves, also at the top level
+        if curves.exists():
+            shutil.copyfile(curves, run.run_dir / "curves.png")
     print0(f"summary: success at start {s.get('eval/success_at_start')} → end {s.get('eval/success')} "
            f"| {run.run_dir / 'summary.json'}")
     if dist.is_initialized():             # every rank done before any tears down (gloo aborts a rank left behind)
