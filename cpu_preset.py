@@ -255,7 +255,10 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
     skills=True [ours] adds the tiny analogue of the paper's skill-annotated warm start: for every
     game an analyzer sample after the success (the rule-based workflow of `rule_skill`),
     one after a failure (the first half of the walkthrough, avoidance rules), and the walkthrough's
-    action turns with that workflow inserted as the skill (skill-conditioned acting).
+    action turns with that workflow inserted as the skill (skill-conditioned acting). Where the
+    walkthrough.json also holds the informed expert's trace (`alfworld_gen.py --informed`), the
+    skill-conditioned turns are that trace's: the skill names where the object is and the
+    demonstration goes there first, so the warm start learns to act on what a skill says.
     """
     out = []
     for g in gamefiles:
@@ -270,17 +273,26 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
             skill, fail = game_rule_skills(wt)
             out.append((analyzer_prompt(task, True, steps), json.dumps({"skill": skill})))
             out.append((analyzer_prompt(task, False, steps[:len(steps) // 2]), json.dumps({"skill": fail})))
-        hist: list[tuple[str, str]] = []
-        for s in d["steps"]:
-            if s["action"] is None:
-                break
-            adm = [a for a in s["admissible"] if a != "help"]
-            prompt = build_prompt(task, s["obs"], adm, hist, history_len=history_len)
-            response = f"<think> </think> <action> {s['action']} </action>"
-            out.append((prompt, response))
-            if skill:
-                out.append((insert_skill(prompt, skill, TASK_PREFIX + task), response))
-            hist.append((s["obs"], s["action"]))
+        out += _acting_samples(task, d["steps"], history_len, skill if "informed" not in d else None)
+        if skill and "informed" in d:   # the skill names the place and the informed expert goes there
+            out += [(insert_skill(p, skill, TASK_PREFIX + task), r)
+                    for p, r in _acting_samples(task, d["informed"], history_len)]
+    return out
+
+
+def _acting_samples(task: str, steps: list[dict], history_len: int, skill: str | None = None):
+    """One (prompt, response) pair per walkthrough action; with `skill`, each also with the skill inserted."""
+    out, hist = [], []
+    for s in steps:
+        if s["action"] is None:
+            break
+        adm = [a for a in s["admissible"] if a != "help"]
+        prompt = build_prompt(task, s["obs"], adm, hist, history_len=history_len)
+        response = f"<think> </think> <action> {s['action']} </action>"
+        out.append((prompt, response))
+        if skill:
+            out.append((insert_skill(prompt, skill, TASK_PREFIX + task), response))
+        hist.append((s["obs"], s["action"]))
     return out
 
 

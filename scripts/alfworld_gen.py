@@ -67,7 +67,7 @@ TASK_TYPES = [
     "pick_cool_then_place_in_recep",
     "pick_two_obj_and_place",
 ]
-ROOM_SIZES = {"small": (5, 8), "full": (None, None)}
+ROOM_SIZES = {"small": (5, 8), "medium": (12, 16), "full": (None, None)}
 LAMP_HOSTS = ("Desk", "SideTable", "Dresser", "Shelf")
 # Objects that may be placed but are never task targets (large or fixed things).
 NOT_TARGETS = {"DeskLamp", "FloorLamp", "Television", "Chair", "Painting", "Mirror", "Window",
@@ -311,11 +311,14 @@ def _name(otype: str) -> str:
     return otype.lower()
 
 
-def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = "", max_steps: int = 80):
+def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = "", max_steps: int = 80,
+                first: str | None = None):
     """Play one game like a person: explore receptacles in listed order; return (actions, trace).
 
     trace[k] = (observation, admissible commands) seen *before* action k; the last entry is the
-    final observation with an empty command list. Raises ExpertFailed if it does not win.
+    final observation with an empty command list. Raises ExpertFailed if it does not win within
+    `max_steps` actions. `first` [ours]: the informed expert, told where the object is (the
+    receptacle the uninformed expert took it from), looks there before the listed order.
     """
     state = env.reset()
     obs, adm = state.feedback, sorted(state.admissible_commands)
@@ -339,7 +342,7 @@ def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = ""
         if cmd.startswith("go to "):
             at = cmd[len("go to "):]
         if len(actions) > max_steps:
-            raise ExpertFailed("expert exceeded its step budget")
+            raise ExpertFailed(f"expert needs more than {max_steps} steps")
 
     def goto(r):
         if at != r:
@@ -355,9 +358,9 @@ def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = ""
     obj = _name(spec_obj)
     pat = re.compile(rf"^take ({re.escape(obj)} \d+) from (.+)$")
 
-    def find_and_take(skip_rec=None):
+    def find_and_take(skip_rec=None, first=None):
         nonlocal holding
-        for r in order:
+        for r in ([first] if first in order else []) + [r for r in order if r != first]:
             if r == skip_rec:
                 continue
             goto(r)
@@ -382,7 +385,7 @@ def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = ""
         act(f"{verb} {holding} with {tool}")
 
     if task_type == "look_at_obj_in_light":
-        find_and_take()
+        find_and_take(first=first)
         if lamp_at is None:
             for r in order:
                 goto(r)
@@ -395,7 +398,7 @@ def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = ""
             raise ExpertFailed("lamp not usable")
         act(lamp)
     else:
-        find_and_take()
+        find_and_take(first=first)
         tool = {"pick_clean_then_place_in_recep": ("clean", "SinkBasin"),
                 "pick_heat_then_place_in_recep": ("heat", "Microwave"),
                 "pick_cool_then_place_in_recep": ("cool", "Fridge")}.get(task_type)
@@ -434,8 +437,13 @@ def build_game(spec: GameSpec, trial: str) -> dict:
             "pddl_problem": problem_pddl(spec, f"plan_{trial}"), "solvable": True}
 
 
+def _steps(actions, trace) -> list[dict]:
+    return [{"obs": o, "admissible": a, "action": actions[i] if i < len(actions) else None}
+            for i, (o, a) in enumerate(trace)]
+
+
 def write_game(split_dir: Path, spec: GameSpec, trial: str, game: dict, actions, trace,
-               with_game: bool = True) -> Path:
+               with_game: bool = True, informed=None) -> Path:
     folder = split_dir / f"{spec.task_type}-{spec.obj}-None-{spec.recep or spec.toggle}-{spec.scene}" / trial
     folder.mkdir(parents=True, exist_ok=True)
     game = dict(game, walkthrough=actions)
@@ -452,9 +460,10 @@ def write_game(split_dir: Path, spec: GameSpec, trial: str, game: dict, actions,
                       "n_receptacles": len(spec.receptacles)},
     }
     (folder / "traj_data.json").write_text(json.dumps(traj, indent=1))
-    steps = [{"obs": o, "admissible": a, "action": actions[i] if i < len(actions) else None}
-             for i, (o, a) in enumerate(trace)]
-    (folder / "walkthrough.json").write_text(json.dumps({"task": spec.task_text, "steps": steps}))
+    wt = {"task": spec.task_text, "steps": _steps(actions, trace)}
+    if informed is not None:   # [ours] the informed expert's (actions, trace): skill-conditioned warm-start data
+        wt["informed"] = _steps(*informed)
+    (folder / "walkthrough.json").write_text(json.dumps(wt))
     return folder / "game.tw-pddl"
 
 
@@ -464,9 +473,11 @@ def scenes_for(split: str) -> list[int]:
 
 
 def generate_split(out: Path, split: str, n: int, room: str, seed: int, verbose: bool = True,
-                   with_game: bool = True) -> list[Path]:
+                   with_game: bool = True, max_steps: int = 80, informed: bool = False) -> list[Path]:
     """Generate n engine-verified games for `split`, cycling through the six task types
-    (with_game=False: only traj_data.json and walkthrough.json, the warm-start data of the tiny preset)."""
+    (with_game=False: only traj_data.json and walkthrough.json, the warm-start data of the tiny preset).
+    A game is kept only if the expert wins it within `max_steps` actions. informed=True [ours] also plays
+    the informed expert (told where the object is) and stores its trace in walkthrough.json."""
     if room not in ROOM_SIZES:
         raise ValueError(f"--room must be one of {sorted(ROOM_SIZES)}, got {room!r}")
     split_seed = {"train": 0, "valid_seen": 1, "valid_unseen": 2}[split]
@@ -495,12 +506,16 @@ def generate_split(out: Path, split: str, n: int, room: str, seed: int, verbose:
         game = build_game(spec, trial)
         try:
             env = load_engine(game)
-            actions, trace = play_expert(env, spec.obj, spec.recep, spec.task_type, spec.toggle)
+            actions, trace = play_expert(env, spec.obj, spec.recep, spec.task_type, spec.toggle, max_steps)
+            told = None
+            if informed:
+                place = next(a.split(" from ", 1)[1] for a in actions if a.startswith("take "))
+                told = play_expert(env, spec.obj, spec.recep, spec.task_type, spec.toggle, max_steps, first=place)
         except ExpertFailed as e:
             if verbose:
                 print(f"  skipped {task_type} in FloorPlan{scene.num}: {e}", file=sys.stderr)
             continue
-        paths.append(write_game(split_dir, spec, trial, game, actions, trace, with_game))
+        paths.append(write_game(split_dir, spec, trial, game, actions, trace, with_game, told))
         i += 1
         if bar:
             bar.update(1)
@@ -546,15 +561,24 @@ def main(argv=None):
     p.add_argument("--verify", action="store_true", help="replay every stored walkthrough under --out and exit")
     p.add_argument("--walkthroughs_only", action="store_true",
                    help="[ours] write only traj_data.json + walkthrough.json (no game file): warm-start data")
+    p.add_argument("--max_steps", type=int, default=80,
+                   help="keep a game only if the expert wins it within this many actions (set it to the "
+                        "episode cap the games are played with)")
+    p.add_argument("--informed", action="store_true",
+                   help="[ours] also store the informed expert's trace (it is told where the object is): the "
+                        "tiny warm start pairs it with the skill that names that place")
     a = p.parse_args(argv)
     if a.verify:
         sys.exit(0 if not verify(a.out)["failed"] else 1)
+    if a.max_steps < 1:
+        p.error("--max_steps must be >= 1")
     for split in ("train", "valid_seen", "valid_unseen"):
         n = getattr(a, split)
         if n < 0:
             p.error(f"--{split} must be >= 0")
         if n:
-            generate_split(Path(a.out), split, n, a.room, a.seed, with_game=not a.walkthroughs_only)
+            generate_split(Path(a.out), split, n, a.room, a.seed, with_game=not a.walkthroughs_only,
+                           max_steps=a.max_steps, informed=a.informed)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,27 @@ def test_walkthroughs_only_writes_the_same_trace_without_the_game_file(tmp_path)
         assert f.exists() and not o.exists()
         assert sorted(p.name for p in o.parent.iterdir()) == ["traj_data.json", "walkthrough.json"]
         assert (o.parent / "walkthrough.json").read_text() == (f.parent / "walkthrough.json").read_text()
+
+
+def test_medium_rooms_step_cap_and_informed_expert(tmp_path):
+    paths = G.generate_split(tmp_path, "train", 6, "medium", seed=5, verbose=False, max_steps=20, informed=True)
+    sizes = []
+    for p in paths:
+        wt = json.loads((p.parent / "walkthrough.json").read_text())
+        traj = json.loads((p.parent / "traj_data.json").read_text())
+        sizes.append(traj["generator"]["n_receptacles"])
+        acts, told = [s["action"] for s in wt["steps"][:-1]], [s["action"] for s in wt["informed"][:-1]]
+        assert len(acts) <= 20 and len(told) <= 20            # shipped only if the expert wins within the cap
+        # the informed expert goes first to where the plain one took the object, and takes one there
+        place = next(a for a in acts if a.startswith("take ")).split(" from ", 1)[1]
+        assert told[0] == f"go to {place}"
+        assert next(a for a in told if a.startswith("take ")).endswith(f" from {place}")
+        env = G.load_engine(str(p))                           # its trace wins in the engine too
+        env.reset()
+        assert [bool(env.step(a)[0]["won"]) for a in told][-1]
+        # one step under the expert's need, the same game is refused
+        pp = traj["pddl_params"]
+        with pytest.raises(G.ExpertFailed, match=f"more than {len(acts) - 1} steps"):
+            G.play_expert(env, pp["object_target"], pp["parent_target"], traj["task_type"], pp["toggle_target"],
+                          max_steps=len(acts) - 1)
+    assert max(sizes) >= 12 and all(s <= 16 for s in sizes)  # 12-16 receptacles where the scene has them

@@ -76,3 +76,33 @@ def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
     assert n_extra > 0 and len(both) == len(own) + n_extra
     with pytest.raises(SystemExit, match="--sft_walkthroughs"):
         T.parse_args(["--sft_walkthroughs", str(tmp_path / "missing")])
+
+
+def test_skill_conditioned_turns_follow_the_informed_trace(tmp_path):
+    import shutil
+    from env_backends import list_games
+    src = Path(list_games(str(ROOT / "data" / "alfworld"), "train")[0]).parent
+    game = tmp_path / "g" / "trial"
+    shutil.copytree(src, game)
+    wt = json.loads((game / "walkthrough.json").read_text())
+    plain = [s["action"] for s in wt["steps"] if s["action"] is not None]
+    place = cpu_preset.game_truth(game / "walkthrough.json")["took"][0]
+    # a hand-made informed trace: straight to the place, then (for the test) one more action
+    first = wt["steps"][0]
+    wt["informed"] = [dict(first, action=f"go to {place}"), dict(first, action="look"), dict(first, action=None)]
+    (game / "walkthrough.json").write_text(json.dumps(wt))
+    pairs = cpu_preset.walkthrough_samples([str(game / "walkthrough.json")], 2, skills=True)
+    skill, _ = cpu_preset.game_rule_skills(game / "walkthrough.json")
+    acting = [(p, r) for p, r in pairs if r.startswith("<think>")]
+    with_skill = [r for p, r in acting if skill in p]
+    without = [r for p, r in acting if skill not in p]
+    act = "<think> </think> <action> {} </action>".format
+    # skill-free turns: the plain walkthrough; skill-conditioned turns: the informed trace, whose first
+    # action goes where the skill says the object is
+    assert without == [act(a) for a in plain]
+    assert with_skill == [act(f"go to {place}"), act("look")] and place in skill
+    # without an informed trace every plain turn is also the skill-conditioned one (as before)
+    del wt["informed"]
+    (game / "walkthrough.json").write_text(json.dumps(wt))
+    pairs = cpu_preset.walkthrough_samples([str(game / "walkthrough.json")], 2, skills=True)
+    assert [r for p, r in pairs if r.startswith("<think>") and skill in p] == [act(a) for a in plain]
