@@ -20,6 +20,9 @@ report itself (a full or read-only disk) raises OSError, so a run ends with at w
     skill_bank.json  RSIPO's bank, skills.SkillBank.to_dict: {"version", "capacity", "skills":
                      {task type: [{"text", "task_type", "task_id", "step", "uses", "mean_gain",
                      "shrunk_gain"}, ...]}}
+    calibration.jsonl  [ours] RSIPO with --calibrate: one row per scored skill and step, {"step",
+                     "task_id", "task_type", "trust", "trust_eb", "trust_raw", "gain", "fresh_gain",
+                     "informative"}; a (step, task_id) logged twice keeps its last row.
     episodes.json    two sample training episodes, written by train.py at the end of a run:
 
         {"won": EP or null, "lost": EP or null}
@@ -36,7 +39,8 @@ date summary.json was written; held-out success start → end and the paired gai
 learning curves (training success and reward per RL step with the held-out points; loss terms);
 held-out success by task type before and after (bars and a table); RSIPO internals per step
 (replay gain per type, shrinkage, trust, OPSD gate and teacher − student gap, skill validity; only
-the panels whose metrics exist); the skill bank's best skills per type by shrunk gain; one won and
+the panels whose metrics exist); the trust check (with calibration.jsonl: a reliability plot of Eq. 9's
+λ under eb and raw trust against fresh replays, and their Brier scores); the skill bank's best skills per type by shrunk gain; one won and
 one lost sample episode with their skill (observations clipped to OBS_CHARS characters, long
 episodes to their first and last turns); the resolved config. Runs of 40 steps or more are drawn
 faint per step under a moving average over ~5% of the steps.
@@ -64,7 +68,7 @@ SKILL_CHARS = 800      # skills are a line of at most --skill_max_words words; t
 EPISODE_HEAD, EPISODE_TAIL = 8, 4   # turns shown of a long episode: its first and last ones
 BANK_TOP = 3           # best skills shown per task type
 PLOT_DIR = "report"
-PLOTS = ("curves.png", "losses.png", "by_type.png", "rsipo.png")
+PLOTS = ("curves.png", "losses.png", "by_type.png", "rsipo.png", "calibration.png")
 # Task types in the order the envs list them; others (a new env) follow, sorted.
 TYPE_ORDER = ("pick", "look", "clean", "heat", "cool", "pick2", "single", "multi")
 HEADER_KEYS = ("algo", "model", "env", "steps", "seed")
@@ -124,32 +128,57 @@ def _read_json(path: Path, what: str):
     return d, None
 
 
-def _read_metrics(path: Path):
-    """Rows in step order; a step logged twice keeps its last row (a resumed run logs again the steps
-    after its checkpoint)."""
-    if not path.exists():
-        return [], "no metrics.jsonl"
+def _read_jsonl(path: Path, keep):
+    """The objects of a JSONL file for which `keep(obj)` returns a key (a later line with the same key
+    replaces an earlier one: a resumed run logs again the steps after its checkpoint), and a note
+    counting the lines that are not JSON or that `keep` refuses (None). ([], note) if unreadable."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as e:
-        return [], f"metrics.jsonl unreadable ({e})"
-    by_step, bad = {}, 0
-    for line in lines:
-        if not line.strip():
-            continue
+        return {}, f"{path.name} unreadable ({e})"
+    out, bad = {}, 0
+    for line in filter(str.strip, lines):
         try:
-            r = json.loads(line)
-            step = r["step"]
-            if _num(step) is None:
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
+            obj = json.loads(line)
+            key = keep(obj) if isinstance(obj, dict) else None
+        except ValueError:
+            key = None
+        if key is None:
             bad += 1
-            continue
-        # an RL step row and a final-eval row share a step: keep them apart so neither hides the other
-        kind = "train" if "train/success" in r or "eval/success" not in r else "eval"
-        by_step[(kind, step)] = r
-    rows = [r for _, r in sorted(by_step.items(), key=lambda kv: (kv[0][1], kv[0][0] == "eval"))]
-    return rows, (f"{bad} unreadable line(s) of metrics.jsonl skipped" if bad else None)
+        else:
+            out[key] = obj
+    return out, (f"{bad} unreadable line(s) of {path.name} skipped" if bad else None)
+
+
+def _read_metrics(path: Path):
+    """Rows in step order; a step logged twice keeps its last row."""
+    if not path.exists():
+        return [], "no metrics.jsonl"
+
+    def key(r):   # an RL step row and a final-eval row share a step: kept apart so neither hides the other
+        if _num(r.get("step")) is None:
+            return None
+        return ("train" if "train/success" in r or "eval/success" not in r else "eval", r["step"])
+    by_step, note = _read_jsonl(path, key)
+    return [r for _, r in sorted(by_step.items(), key=lambda kv: (kv[0][1], kv[0][0] == "eval"))], note
+
+
+def read_calibration(path: Path):
+    """calibration.jsonl's rows, one per (step, task_id), the last one kept; rows without a finite
+    trust_eb, trust_raw and fresh_gain are skipped (and counted in the note)."""
+    if not path.exists():
+        return [], None
+    rows, note = _read_jsonl(path, lambda r: None if any(_num(r.get(k)) is None for k in
+                                                         ("trust_eb", "trust_raw", "fresh_gain"))
+                             else (str(r.get("step")), str(r.get("task_id"))))
+    return list(rows.values()), note
+
+
+def calibration_table(rows, n_bins: int = 5) -> dict:
+    """shrinkage.calibration of Eq. 9's λ under eb and under raw trust, over the same fresh replays."""
+    import shrinkage
+    d = [r["fresh_gain"] for r in rows]
+    return {mode: shrinkage.calibration([r[f"trust_{mode}"] for r in rows], d, n_bins) for mode in ("eb", "raw")}
 
 
 def _num(v):
@@ -374,6 +403,29 @@ def plot_rsipo(train, out: Path, xlim=None) -> str | None:
     return _save(fig, out)
 
 
+def plot_calibration(table, out: Path) -> str | None:
+    """Reliability: per λ bin, the share of fresh replays the skill won (ties ½) against the mean λ; and
+    the mean fresh gain per bin. One series per trust mode, marker area ∝ tasks in the bin."""
+    if not any(t["bins"] for t in table.values()):
+        return None
+    fig, axes = _figure([1, 1], 2, panel_w=5.2, panel_h=3.6)
+    for i, (mode, t) in enumerate(table.items()):
+        xs = [b["trust"] for b in t["bins"]]
+        size = [12 + 120 * b["n"] / max(1, t["n"]) for b in t["bins"]]
+        for ax, key in zip(axes, ("helped", "gain")):
+            ax.plot(xs, [b[key] for b in t["bins"]], color=f"C{i}", linewidth=1,
+                    label=f"{mode}: Brier {t['brier']:.3f} (n {t['n']})")
+            ax.scatter(xs, [b[key] for b in t["bins"]], s=size, color=f"C{i}", zorder=3)
+    axes[0].plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=0.8, label="calibrated")
+    axes[1].axhline(0, color="grey", linewidth=0.8)
+    for ax, title, ylabel in ((axes[0], "Reliability: fresh replay won", "share won (ties ½)"),
+                              (axes[1], "Fresh replay gain", "win rate with − without skill")):
+        _style(ax, title, ylabel, legend="below")
+        ax.set_xlabel("λ (Eq. 9 posterior), binned", fontsize=9)
+        ax.set_xlim(0, 1)
+    return _save(fig, out)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sections: each returns HTML; `_guard` turns any failure into a note, so a run never crashes here
 # ---------------------------------------------------------------------------------------------
@@ -485,6 +537,28 @@ def section_rsipo(train, evals, summary, plot_dir) -> str:
     out = ["<h2>RSIPO internals</h2>", f'<img src="{img}" alt="RSIPO internals per step">']
     if "replay/gain_mean" not in _keys(train):
         out.append(_note("No replay gains logged: no valid skill was replayed in any step."))
+    return "\n".join(out)
+
+
+def section_calibration(rows, note, plot_dir) -> str:
+    if not rows:
+        return _note(note) if note else ""   # runs without --calibrate: nothing to say
+    table = calibration_table(rows)
+    out = ["<h2>Trust check</h2>",
+           _note(f"{len(rows)} scored skills replayed afresh (with the skill and without, independent of the "
+                 "episodes λ came from). Outcome: 1 if the fresh replay won more often with the skill, 0 if "
+                 "less, ½ on a tie. Brier = mean (λ − outcome)²; the base rate's Brier is what a λ "
+                 "without information scores.")]
+    img = plot_calibration(table, plot_dir / "calibration.png")
+    if img:
+        out.append(f'<img src="{img}" alt="trust reliability plot">')
+    out.append("<table><tr><th>trust</th><th>tasks</th><th>ties</th><th>Brier</th><th>base-rate Brier</th></tr>")
+    for mode, t in table.items():
+        out.append(f"<tr><td>{mode}</td><td>{t['n']}</td><td>{t['ties']}</td><td>{t['brier']:.4f}</td>"
+                   f"<td>{t['base_brier']:.4f}</td></tr>")
+    out.append("</table>")
+    if note:
+        out.append(_note(note))
     return "\n".join(out)
 
 
@@ -624,6 +698,7 @@ def write_report(run_dir) -> Path:
     evals = [r for r in rows if "eval/success" in r]
     bank, b_note = _read_json(run_dir / "skill_bank.json", "a skill bank")
     eps, e_note = _read_json(run_dir / "episodes.json", "sample episodes")
+    calib, cal_note = read_calibration(run_dir / "calibration.jsonl")
     name = config.get("run_name") or run_dir.resolve().name
     c_note = c_note if (run_dir / "config.json").exists() else None   # older runs have none: no note
     notes = [n for n in (s_note, c_note, m_note) if n]
@@ -632,6 +707,7 @@ def write_report(run_dir) -> Path:
         _guard("Learning curves", section_curves, train, evals, summary, plot_dir),
         _guard("Held-out success by task type", section_by_type, summary, evals, plot_dir),
         _guard("RSIPO internals", section_rsipo, train, evals, summary, plot_dir),
+        _guard("Trust check", section_calibration, calib, cal_note, plot_dir),
         _guard("Skill bank", section_bank, bank, b_note),
         _guard("Sample episodes", section_episodes, eps, e_note),
         _guard("Config", section_config, config),

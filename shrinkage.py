@@ -17,6 +17,9 @@ What this file implements (numpy + stdlib only)
   teacher_trust(gains, variances, task_types, mode) -> (trust, info)       Eq. 9
       lambda_q = Phi(g^_q / sqrt(V_q)), the posterior probability that the skill helps.
       mode "eb" (shrink per task type), "raw" (Phi(g/sqrt(v)), no shrinkage), "one" (lambda = 1).
+  calibration(trust, fresh_gains, n_bins) -> dict                          [ours], METHOD.md §5.7
+      lambda held against a fresh, independent replay of the same skill: outcome y = 1 if the
+      fresh gain is > 0, 0 if < 0, 1/2 if = 0; Brier = mean (lambda - y)^2; reliability bins.
 
 Choices that are ours, not the paper's (**[ours]**)
   1. Pooling: a task type with >= min_group (default 4) tasks is fit on its own tasks. Every task of
@@ -210,3 +213,43 @@ def replay_informative(replay_rewards, control_rewards) -> bool:
     """False when the replays and the control all have one and the same reward (all won or all lost):
     the replay then says nothing about the skill (choice 7)."""
     return len(set(map(float, replay_rewards)) | set(map(float, control_rewards))) > 1
+
+
+def calibration(trust, fresh_gains, n_bins: int = 5) -> dict:
+    """[ours] How well the trust lambda_q (the posterior probability that the skill helps, Eq. 9) predicts
+    a fresh, independent replay of the same skill against fresh skill-free control episodes.
+
+    trust: (B,) lambda_q in [0, 1]; fresh_gains: (B,) the fresh replays' win-rate differences (Eq. 3 on
+    the new episodes). The outcome is y_q = 1 if the fresh gain is > 0, 0 if < 0 and 1/2 on a tie (the
+    fresh replay does not tell the sign). Returns
+      "n", "ties": tasks and ties; "brier": mean (lambda - y)^2 (0 is perfect; 1/4 for lambda = 1/2
+      everywhere); "base_brier": the Brier score of the constant forecast mean(y) (what lambda must beat
+      to carry information); "bins": per equal-width lambda bin with tasks, [lo, hi), n, mean lambda,
+      mean y ("helped"), mean fresh gain.
+    A calibrated lambda has mean y close to mean lambda in every bin. Even then y is noisy: a fresh replay
+    of M episodes sees the sign of the true gain only with some probability.
+    """
+    lam = np.asarray(trust, dtype=np.float64)
+    d = np.asarray(fresh_gains, dtype=np.float64)
+    if lam.shape != d.shape or lam.ndim != 1:
+        raise ValueError(f"trust and fresh_gains must be 1-D of one length, got {lam.shape} and {d.shape}")
+    if not (np.all(np.isfinite(lam)) and np.all(np.isfinite(d))):
+        raise ValueError("trust and fresh_gains must be finite (found NaN or inf)")
+    if np.any((lam < 0) | (lam > 1)):
+        raise ValueError("trust must lie in [0, 1]")
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    y = np.where(d > 0, 1.0, np.where(d < 0, 0.0, 0.5))   # (B,)
+    out = {"n": int(lam.size), "ties": int((d == 0).sum()), "brier": None, "base_brier": None, "bins": []}
+    if not lam.size:
+        return out
+    out["brier"] = float(np.mean((lam - y) ** 2))
+    out["base_brier"] = float(np.mean((y.mean() - y) ** 2))
+    which = np.minimum((lam * n_bins).astype(int), n_bins - 1)   # lambda = 1 falls in the top bin
+    for j in range(n_bins):
+        sel = which == j
+        if sel.any():
+            out["bins"].append({"lo": j / n_bins, "hi": (j + 1) / n_bins, "n": int(sel.sum()),
+                                "trust": float(lam[sel].mean()), "helped": float(y[sel].mean()),
+                                "gain": float(d[sel].mean())})
+    return out

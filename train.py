@@ -151,6 +151,8 @@ class Args:
                                 "room for the longest skill parse_skill accepts, skill_token_budget [ours])")
     skill_max_words: int = arg(80, "skill length asked for in the analyzer prompt (words)")
     bank_capacity: int = arg(8, "skill bank: skills kept per task type")
+    calibrate: int = arg(0, "[ours] rsipo: a trust check, METHOD.md §5.7: per scored skill, this many fresh episodes with "
+                            "it and as many without; calibration.jsonl, report (0 = off; not trained on, not in the budget)")
     # --- SFT warm start ---
     sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)")
     sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: more walkthroughs (no game files) "
@@ -182,6 +184,8 @@ class Args:
         for f in ("steps", "sft_steps", "eval_games", "eval_every", "save_every"):
             if getattr(self, f) < 0:
                 bad(f, f"must be >= 0, got {getattr(self, f)}")
+        if self.calibrate < 0 or (self.calibrate and self.algo != "rsipo"):
+            bad("calibrate", f"must be >= 0, and > 0 only with --algo rsipo (got {self.calibrate} with {self.algo})")
         if self.trust not in ("eb", "raw", "one"):
             bad("trust", f"must be eb, raw or one, got {self.trust!r}")
         if self.replay_m < 0:
@@ -616,6 +620,7 @@ class TaskRecord:
     trust: float = 0.0                    # λ_q, Eq. (9); 0 = no teacher signal for the task's turns
     skill_adv: Optional[float] = None     # A^skill_q, Eq. (5); None = no skill sample
     facts: Optional[dict] = None          # [ours] what the skill gets right about its game (cpu_preset.skill_facts)
+    posterior: Optional[dict] = None      # [ours] --calibrate: Eq. (9)'s λ under trust modes eb and raw
 
 
 @dataclass
@@ -697,6 +702,9 @@ def rl_step(run: Run, step: int) -> bool:
             with timer("replay"):
                 replay(run, b)
         trust(run, b, step)
+        if a.calibrate:
+            with timer("calibrate"):
+                calibrate(run, b, step)
     with timer("score"):
         samples, skill_samples = score(run, b)
     with timer("update"):
@@ -794,6 +802,11 @@ def trust(run: Run, b: Batch, step: int):
                                                [recs[i].task_type for i in ok], mode=a.trust)          # Eq. (6)-(9)
         lam[ok], shrunk[ok] = lam_ok, info["mean"]
         lam[[i for i in ok if not recs[i].informative]] = 0.0   # [ours] no evidence about the skill
+        if a.calibrate:                   # both modes' posteriors, to hold against a fresh replay (calibrate)
+            g, v, ty = [recs[i].gain for i in ok], [recs[i].var for i in ok], [recs[i].task_type for i in ok]
+            both = {mode: shrinkage.teacher_trust(g, v, ty, mode=mode)[0] for mode in ("eb", "raw")}
+            for j, i in enumerate(ok):
+                recs[i].posterior = {mode: float(x[j]) for mode, x in both.items()}
         m.update({"trust/shrink_mean": float(np.mean(info["shrink"])), "replay/shrunk_gain_mean": float(np.mean(info["mean"])),
                   "replay/gain_mean": float(np.mean([recs[i].gain for i in ok])),
                   "replay/uninformative": float(sum(not recs[i].informative for i in ok))})
@@ -823,6 +836,37 @@ def trust(run: Run, b: Batch, step: int):
               "trust/mean": float(lam.mean()) if len(lam) else 0.0,
               "trust/frac_teacher": float((lam > 0).mean()) if len(lam) else 0.0,
               "replay/failed": float(n_valid - len(ok))})
+
+
+def calibrate(run: Run, b: Batch, step: int):
+    """[ours] The trust check of METHOD.md §5.7: each scored skill is replayed afresh, `--calibrate` episodes
+    with it and as many without (a fresh control), independent of the episodes its λ came from. One row
+    per task in calibration.jsonl: λ as trained, Eq. (9)'s posterior under eb and raw trust, the replay
+    gain it was computed from, and the fresh gain. These episodes train nothing and do not count
+    toward --max_env_steps (`calib/env_steps`)."""
+    a, M = run.args, run.args.calibrate
+    idx = [k for k, r in enumerate(b.records) if r.replay_ok and r.posterior]
+    rows, n_steps = [], 0
+    if idx:
+        tasks = [b.tasks[k] for k in idx]
+        eps = run_episodes(run.engine, run.pool, tasks + tasks, M, history_len=a.history_len,
+                           skills={j: b.records[k].skill for j, k in enumerate(idx)},   # first half: with the skill
+                           temperature=a.temperature, constrained=a.constrained)
+        n_steps = sum(len(e.steps) for e in eps)
+        for j, k in enumerate(idx):
+            with_skill, control, rec = eps[j * M:(j + 1) * M], eps[(len(idx) + j) * M:(len(idx) + j + 1) * M], b.records[k]
+            if any(e.error for e in with_skill + control):
+                continue
+            fresh, _ = shrinkage.replay_gain([e.reward for e in with_skill], [e.reward for e in control], a.r_win)
+            rows.append({"step": step + 1, "task_id": rec.task_id, "task_type": rec.task_type, "gain": rec.gain,
+                         "informative": rec.informative, "trust": rec.trust, "trust_eb": rec.posterior["eb"],
+                         "trust_raw": rec.posterior["raw"], "fresh_gain": fresh})
+    rows = [r for part in all_gather_obj(rows) for r in part]
+    if D.RANK == 0 and rows:
+        with open(run.run_dir / "calibration.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    b.metrics["calib/env_steps"] = int(all_reduce([n_steps])[0])
+    b.metrics["calib/tasks"] = len(rows)
 
 
 def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
@@ -1100,6 +1144,12 @@ def finish(run: Run):
             print0(f"held-out gain, paired over {n} tasks: {100 * g:+.1f} ± {100 * se:.1f} points (1 s.e.)")
         log_row(run, {"step": run.rows[-1]["step"] if run.rows else 0, **ev})
     save_policy(run, run.run_dir / "final")
+    if D.RANK == 0 and a.calibrate:       # the trust check over the whole run (METHOD.md §5.7)
+        import report
+        rows, _ = report.read_calibration(run.run_dir / "calibration.jsonl")
+        for mode, t in report.calibration_table(rows).items() if rows else ():
+            s.update({f"calib/brier_{mode}": t["brier"], "calib/base_brier": t["base_brier"], "calib/tasks": t["n"]})
+            print0(f"trust check, {mode}: Brier {t['brier']:.4f} over {t['n']} skills (base rate {t['base_brier']:.4f})")
     if D.RANK == 0:                       # one writer, atomic files
         _write_json(run.run_dir / "summary.json", s)
         _write_json(run.run_dir / "episodes.json", {"won": run.episodes.get("won"), "lost": run.episodes.get("lost")})

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import report as R  # noqa: E402
 
-HEADINGS = ["Learning curves", "Held-out success by task type", "RSIPO internals", "Skill bank",
+HEADINGS = ["Learning curves", "Held-out success by task type", "RSIPO internals", "Trust check", "Skill bank",
             "Sample episodes", "Config"]
 EVIL = '<script>alert("x")</script> & <b>'   # model-written text that must reach the page as text
 
@@ -74,6 +74,8 @@ def rsipo_run(tmp_path):
     _write(run, "episodes.json", {"won": _episode(True, "skill " + EVIL, [[long_obs, "take <apple> & go"],
                                                                           ["You cool it.", "put apple in fridge"]]),
                                   "lost": None})
+    _write(run, "calibration.jsonl", _metrics([{"step": 1, "task_id": "g1", "trust_eb": 0.6, "trust_raw": 0.7,
+                                                "fresh_gain": 0.5}]))
     return run
 
 
@@ -177,3 +179,25 @@ def test_command_line(rsipo_run, capsys):
     with pytest.raises(SystemExit) as e:
         R.main([str(rsipo_run / "nope")])
     assert e.value.code == 2
+
+
+def test_trust_check_section(tmp_path):
+    # four scored skills, the first logged twice (a resumed run): its last row counts
+    rows = [{"step": 1, "task_id": "a", "trust_eb": 0.1, "trust_raw": 0.1, "fresh_gain": 0.5},
+            {"step": 1, "task_id": "a", "trust_eb": 0.9, "trust_raw": 0.6, "fresh_gain": 0.5},
+            {"step": 1, "task_id": "b", "trust_eb": 0.7, "trust_raw": 0.8, "fresh_gain": -0.25},
+            {"step": 2, "task_id": "a", "trust_eb": 0.2, "trust_raw": 0.3, "fresh_gain": 0.0},
+            {"step": 2, "task_id": "c", "trust_eb": 0.5, "trust_raw": 1.0, "fresh_gain": -0.5}]
+    _write(tmp_path, "calibration.jsonl", _metrics(rows, tail="{broken\n"))
+    page = R.write_report(tmp_path).read_text()
+    # outcomes y = 1, 0, 1/2, 0; eb: λ 0.9, 0.7, 0.2, 0.5 -> Brier (0.01 + 0.49 + 0.09 + 0.25) / 4 = 0.21
+    # raw: λ 0.6, 0.8, 0.3, 1.0 -> (0.16 + 0.64 + 0.04 + 1.0) / 4 = 0.46; base rate (mean y 3/8): 44/256
+    assert "Trust check" in page and "<td>eb</td><td>4</td><td>1</td><td>0.2100</td><td>0.1719</td>" in page
+    assert "<td>raw</td><td>4</td><td>1</td><td>0.4600</td>" in page
+    assert "1 unreadable line(s) of calibration.jsonl skipped" in page
+    assert (tmp_path / "report" / "calibration.png").stat().st_size > 0
+
+
+def test_no_trust_check_without_calibration(tmp_path):
+    _write(tmp_path, "metrics.jsonl", _metrics([_train_row(1)]))
+    assert "Trust check" not in R.write_report(tmp_path).read_text()

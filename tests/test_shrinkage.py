@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shrinkage import EBResult, eb_shrink, replay_gain, teacher_trust  # noqa: E402
+from shrinkage import EBResult, calibration, eb_shrink, replay_gain, teacher_trust  # noqa: E402
 
 
 def phi(x):
@@ -370,3 +370,32 @@ def test_replay_informative_only_when_outcomes_differ():
     assert replay_informative([10.0, 0.0], [0.0, 0.0])              # the replay won once
     assert replay_informative([0.0], [10.0, 0.0])                   # g = -0.5: evidence against the skill
     assert replay_informative([10.0, 10.0], [0.0, 0.0])             # all won vs all lost: the clearest evidence
+
+
+def test_calibration_hand_numbers():
+    # lambda = [0.9, 0.7, 0.2, 0.5], fresh gains [+0.5, -0.25, 0, -0.5] -> y = [1, 0, 1/2, 0]
+    # Brier = (0.1^2 + 0.7^2 + 0.3^2 + 0.5^2) / 4 = (0.01 + 0.49 + 0.09 + 0.25) / 4 = 0.21
+    # mean y = 3/8; base = ((5/8)^2 + (3/8)^2 + (1/8)^2 + (3/8)^2) / 4 = (25 + 9 + 1 + 9) / 256 = 44/256
+    c = calibration([0.9, 0.7, 0.2, 0.5], [0.5, -0.25, 0.0, -0.5], n_bins=2)
+    assert c["n"] == 4 and c["ties"] == 1
+    assert c["brier"] == pytest.approx(0.21)
+    assert c["base_brier"] == pytest.approx(44 / 256)
+    # bins [0, .5): lambda 0.2 only; [.5, 1]: 0.9, 0.7, 0.5 -> mean 0.7, y mean 1/3, gain mean -0.25/3
+    lo, hi = c["bins"]
+    assert (lo["n"], lo["trust"], lo["helped"], lo["gain"]) == (1, pytest.approx(0.2), 0.5, 0.0)
+    assert (hi["n"], hi["trust"], hi["helped"]) == (3, pytest.approx(0.7), pytest.approx(1 / 3))
+    assert hi["gain"] == pytest.approx(-0.25 / 3)
+
+
+def test_calibration_perfect_forecast_and_edges():
+    # lambda equal to the realised outcome: Brier 0; lambda = 1 falls in the top bin, 0 in the bottom one
+    c = calibration([1.0, 0.0, 1.0], [0.5, -1.0, 0.25], n_bins=4)
+    assert c["brier"] == 0.0 and [b["n"] for b in c["bins"]] == [1, 2]
+    assert calibration([], [])["brier"] is None
+
+
+@pytest.mark.parametrize("lam,d,match", [([0.5], [0.1, 0.2], "one length"), ([1.5], [0.1], r"\[0, 1\]"),
+                                         ([0.5], [float("nan")], "finite")])
+def test_calibration_bad_input(lam, d, match):
+    with pytest.raises(ValueError, match=match):
+        calibration(lam, d)

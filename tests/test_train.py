@@ -48,6 +48,7 @@ def _changed_from_warm_start(run: Path, model: dict) -> list[str]:
     (["--sft_data", "/no/such/file.jsonl"], "--sft_data"),
     (["--top_p", "0"], "--top_p"),
     (["--sft_micro_tokens", "-1"], "--sft_micro_tokens"),
+    (["--algo", "grpo", "--calibrate", "2"], "--calibrate"),   # no trust to check
 ])
 def test_bad_config_fails_before_compute_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -112,7 +113,7 @@ def test_single_process_run_and_exact_resume(tmp_path):
 
 
 def test_rsipo_run_end_to_end_single_process(tmp_path):
-    T.main(TINY + ["--algo", "rsipo", "--steps", "1", "--out_dir", str(tmp_path), "--run_name", "rs"])
+    T.main(TINY + ["--algo", "rsipo", "--steps", "1", "--calibrate", "1", "--out_dir", str(tmp_path), "--run_name", "rs"])
     run = tmp_path / "rs"
     row = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "train/success" in l][0]
     # the RSIPO sections ran: skills were written and parsed, trust computed, skill samples trained
@@ -124,6 +125,47 @@ def test_rsipo_run_end_to_end_single_process(tmp_path):
     assert (run / "skill_bank.json").exists()
     st = _state(run)
     assert "skill_means" in st["extra"] and "bank" in st["extra"]
+    # the trust check replayed every scored skill afresh (1 episode with it, 1 without, per task)
+    n_scored = round(2 * row["skill/valid_frac"]) - row["replay/failed"]
+    cal = [json.loads(l) for l in (run / "calibration.jsonl").read_text().splitlines()] if n_scored else []
+    assert row["calib/tasks"] == len(cal) == n_scored
+    for r in cal:
+        assert 0 <= r["trust_eb"] <= 1 and 0 <= r["trust_raw"] <= 1 and r["fresh_gain"] in (-1.0, 0.0, 1.0)
+    assert row["calib/env_steps"] >= 2 * n_scored   # each fresh episode takes at least one env step
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary.get("calib/tasks") == n_scored) if n_scored else "calib/brier_eb" not in summary
+
+
+def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
+    # the trust check on the real engine and env: records set by hand (the 40-step warm start writes no
+    # parseable skill), every fresh episode recorded by a spy around the real run_episodes
+    run = T.setup(T.parse_args(TINY + ["--algo", "rsipo", "--sft_steps", "0", "--eval", "false", "--calibrate", "2",
+                                       "--out_dir", str(tmp_path), "--run_name", "cal"]))
+    seen = []
+    try:
+        T.build_policy(run)
+        T.begin(run)
+        g = run.data.train[:3]
+        recs = [T.TaskRecord(g[0], "pick", skill="go to the shelf.", gain=0.5, replay_ok=True, trust=0.7,
+                             posterior={"eb": 0.7, "raw": 0.9}),
+                T.TaskRecord(g[1], "pick"),                                   # no skill: nothing to check
+                T.TaskRecord(g[2], "pick", skill="open the fridge.", replay_ok=True, posterior={"eb": 0.2, "raw": 0.1})]
+        b = T.Batch([{run.pool.task_key: x} for x in g], [], [], [], recs)
+        real = T.run_episodes
+        monkeypatch.setattr(T, "run_episodes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+        T.calibrate(run, b, step=4)
+    finally:
+        T.teardown(run)
+    eps = seen[0]   # tasks 0 and 2 with their skill, 2 episodes each, then the same tasks without one
+    assert [e.task_id for e in eps] == [g[0], g[0], g[2], g[2]] * 2
+    assert [e.skill for e in eps] == ["go to the shelf."] * 2 + ["open the fridge."] * 2 + [None] * 4
+    rows = [json.loads(l) for l in (tmp_path / "cal" / "calibration.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["task_id"], r["trust_eb"], r["trust_raw"]) for r in rows] == [(5, g[0], 0.7, 0.9),
+                                                                                        (5, g[2], 0.2, 0.1)]
+    win = [e.reward / run.args.r_win for e in eps]
+    for j, r in enumerate(rows):   # mean with the skill − mean of the fresh control, per task
+        assert r["fresh_gain"] == pytest.approx((win[2 * j] + win[2 * j + 1]) / 2 - (win[4 + 2 * j] + win[5 + 2 * j]) / 2)
+    assert b.metrics["calib/tasks"] == 2 and b.metrics["calib/env_steps"] == sum(len(e.steps) for e in eps)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
