@@ -59,6 +59,9 @@ def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
     # the run's internals, means over its RL steps (those it logged: RSIPO's skills, replay and trust; GiGPO's anchors)
     s["internals"] = {k: statistics.mean(v) for k in INTERNALS
                       if (v := [r[k] for r in rows if isinstance(r.get(k), (int, float))])}
+    # and the trust check over the whole run (rsipo with --calibrate): Brier scores of eb and raw trust
+    s["internals"].update({k: s[k] for k in ("calib/brier_eb", "calib/brier_raw", "calib/base_brier", "calib/tasks")
+                           if k in s})
     return s
 
 
