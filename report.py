@@ -552,10 +552,12 @@ def section_calibration(rows, note, plot_dir) -> str:
     img = plot_calibration(table, plot_dir / "calibration.png")
     if img:
         out.append(f'<img src="{img}" alt="trust reliability plot">')
-    out.append("<table><tr><th>trust</th><th>tasks</th><th>ties</th><th>Brier</th><th>base-rate Brier</th></tr>")
+    out.append("<table><tr><th>trust</th><th>tasks</th><th>ties</th><th>Brier</th><th>base-rate Brier</th>"
+               "<th>Brier without ties</th></tr>")
     for mode, t in table.items():
+        decided = "n/a" if t["brier_decided"] is None else f"{t['brier_decided']:.4f}"
         out.append(f"<tr><td>{mode}</td><td>{t['n']}</td><td>{t['ties']}</td><td>{t['brier']:.4f}</td>"
-                   f"<td>{t['base_brier']:.4f}</td></tr>")
+                   f"<td>{t['base_brier']:.4f}</td><td>{decided}</td></tr>")
     out.append("</table>")
     if note:
         out.append(_note(note))

@@ -224,7 +224,7 @@ def calibration(trust, fresh_gains, n_bins: int = 5) -> dict:
     fresh replay does not tell the sign). Returns
       "n", "ties": tasks and ties; "brier": mean (lambda - y)^2 (0 is perfect; 1/4 for lambda = 1/2
       everywhere); "base_brier": the Brier score of the constant forecast mean(y) (what lambda must beat
-      to carry information); "bins": per equal-width lambda bin with tasks, [lo, hi), n, mean lambda,
+      to carry information); "brier_decided": the Brier score over the tasks without a tie; "bins": per equal-width lambda bin with tasks, [lo, hi), n, mean lambda,
       mean y ("helped"), mean fresh gain.
     A calibrated lambda has mean y close to mean lambda in every bin. Even then y is noisy: a fresh replay
     of M episodes sees the sign of the true gain only with some probability.
@@ -240,11 +240,14 @@ def calibration(trust, fresh_gains, n_bins: int = 5) -> dict:
     if n_bins < 1:
         raise ValueError(f"n_bins must be >= 1, got {n_bins}")
     y = np.where(d > 0, 1.0, np.where(d < 0, 0.0, 0.5))   # (B,)
-    out = {"n": int(lam.size), "ties": int((d == 0).sum()), "brier": None, "base_brier": None, "bins": []}
+    out = {"n": int(lam.size), "ties": int((d == 0).sum()), "brier": None, "base_brier": None,
+           "brier_decided": None, "bins": []}
     if not lam.size:
         return out
     out["brier"] = float(np.mean((lam - y) ** 2))
     out["base_brier"] = float(np.mean((y.mean() - y) ** 2))
+    if (d != 0).any():
+        out["brier_decided"] = float(np.mean((lam[d != 0] - y[d != 0]) ** 2))
     which = np.minimum((lam * n_bins).astype(int), n_bins - 1)   # lambda = 1 falls in the top bin
     for j in range(n_bins):
         sel = which == j

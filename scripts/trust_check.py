@@ -3,8 +3,8 @@
 Each RSIPO run started with `--calibrate M` writes calibration.jsonl: per scored skill, λ (Eq. 9's
 posterior under eb and under raw trust, from the same replay) and the gain of a fresh, independent
 replay of the skill. This script pools those rows over the runs given, and prints and writes, for eb and
-raw: tasks, ties, the Brier score, the base-rate Brier (a constant forecast), the reliability bins,
-and the same per run. Writes <out>/trust_check.json and <out>/trust_check.png (the reliability plot).
+raw: tasks, ties, the Brier score, the base-rate Brier (a constant forecast), the Brier score over the
+tasks without a tie, the reliability bins, and the same per run. Writes <out>/trust_check.json and <out>/trust_check.png (the reliability plot).
 
     python scripts/trust_check.py runs/tb_cmp/rsipo_s0 runs/tb_cmp/rsipo_s1 runs/tb_cmp/rsipo_s2 --out results/tb_cmp
 """
@@ -46,7 +46,9 @@ def main(argv=None) -> int:
     for name, table in [("pooled", res["pooled"])] + list(res["runs"].items()):
         print(f"\n{name}")
         for mode, t in table.items():
-            print(f"  {mode:4s} tasks {t['n']:4d}  ties {t['ties']:4d}  Brier {t['brier']:.4f}  base rate {t['base_brier']:.4f}")
+            decided = "n/a" if t["brier_decided"] is None else f"{t['brier_decided']:.4f}"
+            print(f"  {mode:4s} tasks {t['n']:4d}  ties {t['ties']:4d}  Brier {t['brier']:.4f}  base rate "
+                  f"{t['base_brier']:.4f}  without ties {decided}")
     print("\nreliability (pooled): λ bin, tasks, mean λ, share the fresh replay won (ties ½), mean fresh gain")
     for mode, t in res["pooled"].items():
         for b in t["bins"]:

@@ -194,6 +194,8 @@ def test_trust_check_section(tmp_path):
     # raw: λ 0.6, 0.8, 0.3, 1.0 -> (0.16 + 0.64 + 0.04 + 1.0) / 4 = 0.46; base rate (mean y 3/8): 44/256
     assert "Trust check" in page and "<td>eb</td><td>4</td><td>1</td><td>0.2100</td><td>0.1719</td>" in page
     assert "<td>raw</td><td>4</td><td>1</td><td>0.4600</td>" in page
+    # without the tie (task a at step 2): eb (0.01 + 0.49 + 0.25) / 3 = 0.25
+    assert "<td>0.1719</td><td>0.2500</td></tr>" in page
     assert "1 unreadable line(s) of calibration.jsonl skipped" in page
     assert (tmp_path / "report" / "calibration.png").stat().st_size > 0
 

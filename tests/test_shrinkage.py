@@ -380,6 +380,7 @@ def test_calibration_hand_numbers():
     assert c["n"] == 4 and c["ties"] == 1
     assert c["brier"] == pytest.approx(0.21)
     assert c["base_brier"] == pytest.approx(44 / 256)
+    assert c["brier_decided"] == pytest.approx((0.01 + 0.49 + 0.25) / 3)   # the tie (lambda 0.2) left out
     # bins [0, .5): lambda 0.2 only; [.5, 1]: 0.9, 0.7, 0.5 -> mean 0.7, y mean 1/3, gain mean -0.25/3
     lo, hi = c["bins"]
     assert (lo["n"], lo["trust"], lo["helped"], lo["gain"]) == (1, pytest.approx(0.2), 0.5, 0.0)
