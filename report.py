@@ -422,6 +422,7 @@ def plot_calibration(table, out: Path) -> str | None:
                               (axes[1], "Fresh replay gain", "win rate with − without skill")):
         _style(ax, title, ylabel, legend="below")
         ax.set_xlabel("λ (Eq. 9 posterior), binned", fontsize=9)
+        ax.set_xticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])   # _style's integer ticks are for RL steps
         ax.set_xlim(0, 1)
     return _save(fig, out)
 
