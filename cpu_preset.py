@@ -248,7 +248,8 @@ def skill_facts(text: str, walkthrough: Path) -> dict[str, bool]:
             "wrong_tool": any(f" {v} " in t for k, v in tools.items() if k != g["type"] and v != target)}
 
 
-def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False) -> list[tuple[str, str]]:
+def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False,
+                        skill_place: bool = True) -> list[tuple[str, str]]:
     """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed).
     `gamefiles`: game files (their walkthrough.json beside them is read) or walkthrough.json paths.
 
@@ -259,6 +260,8 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
     walkthrough.json also holds the informed expert's trace (`alfworld_gen.py --informed`), the
     skill-conditioned turns are that trace's: the skill names where the object is and the
     demonstration goes there first, so the warm start learns to act on what a skill says.
+    skill_place=False [ours] leaves the place out of the analyzer's success samples only (the skill
+    the warm start learns to write is the workflow alone); the skill-conditioned turns are unchanged.
     """
     out = []
     for g in gamefiles:
@@ -271,7 +274,8 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
         skill = None
         if skills:
             skill, fail = game_rule_skills(wt)
-            out.append((analyzer_prompt(task, True, steps), json.dumps({"skill": skill})))
+            written = skill if skill_place else game_rule_skills(wt, with_place=False)[0]
+            out.append((analyzer_prompt(task, True, steps), json.dumps({"skill": written})))
             out.append((analyzer_prompt(task, False, steps[:len(steps) // 2]), json.dumps({"skill": fail})))
         out += _acting_samples(task, d["steps"], history_len, skill if "informed" not in d else None)
         if skill and "informed" in d:   # the skill names the place and the informed expert goes there
@@ -334,13 +338,14 @@ def search_samples(records: list[dict], retriever, args, skills: bool = False) -
     return out
 
 
-def warm_start_pairs(args, data, pool, skills: bool) -> list[tuple[str, str]]:
-    """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations."""
+def warm_start_pairs(args, data, pool, skills: bool, skill_place: bool = True) -> list[tuple[str, str]]:
+    """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations
+    (`skill_place`: `walkthrough_samples`'; search ignores it)."""
     if args.env == "search":
         return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
     extra = sorted(str(p) for p in Path(args.sft_walkthroughs).glob("json_2.1.1/*/*/*/walkthrough.json")) \
         if args.sft_walkthroughs and not args.sft_data else []
-    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills)
+    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills, skill_place=skill_place)
 
 
 def tokenizer_texts(args, data, pool) -> list[str]:

@@ -157,6 +157,8 @@ class Args:
     sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)")
     sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: more walkthroughs (no game files) "
                                 "for the warm start, besides the RL games' own ('' = none)")
+    sft_skill_place: bool = arg(True, "[ours] tiny preset, ALFWorld: the warm start's skill-writing samples name where "
+                                "the walkthrough took the object (false: the workflow alone; acting samples unchanged)")
     sft_steps: int = arg(1200, "SFT optimizer steps (0 = skip)")
     sft_lr: float = arg(5e-6, "SFT learning rate (SEED: 5e-6)")
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
@@ -1074,7 +1076,8 @@ def warm_start(run: Run):
     """SFT on --sft_data (or the tiny preset's walkthroughs), saved as warm_start/; the start's evaluation."""
     a = run.args
     pairs = load_sft_jsonl(a.sft_data) if a.sft_data else (
-        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills) if a.model == "tiny" else [])
+        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills, skill_place=a.sft_skill_place)
+        if a.model == "tiny" else [])
     if pairs and a.sft_steps:
         t0 = time.time()
         run.summary["sft/final_loss"] = loss = sft(run.model, run.tok, pairs, a, run.device)

@@ -106,3 +106,21 @@ def test_skill_conditioned_turns_follow_the_informed_trace(tmp_path):
     (game / "walkthrough.json").write_text(json.dumps(wt))
     pairs = cpu_preset.walkthrough_samples([str(game / "walkthrough.json")], 2, skills=True)
     assert [r for p, r in pairs if r.startswith("<think>") and skill in p] == [act(a) for a in plain]
+
+
+def test_skill_place_false_changes_only_the_written_skill():
+    from env_backends import list_games
+    wt = Path(list_games(str(ROOT / "data" / "alfworld"), "train")[0]).with_name("walkthrough.json")
+    place = cpu_preset.game_truth(wt)["took"][0]
+    with_place = cpu_preset.walkthrough_samples([str(wt)], 2, skills=True)
+    workflow = cpu_preset.walkthrough_samples([str(wt)], 2, skills=True, skill_place=False)
+    analyzer = [i for i, (p, r) in enumerate(with_place) if r.startswith("{")]
+    assert len(analyzer) == 2 and len(workflow) == len(with_place)
+    # the success sample (the first) is the only one that changes: its skill no longer names the place
+    # ("the <object> was at <place>; otherwise ..."), and is rule_skill's workflow without it
+    won = analyzer[0]
+    assert f"was at {place}" in with_place[won][1] and place not in workflow[won][1]
+    assert json.loads(workflow[won][1])["skill"] == cpu_preset.game_rule_skills(wt, with_place=False)[0]
+    assert [x for i, x in enumerate(workflow) if i != won] == [x for i, x in enumerate(with_place) if i != won]
+    # skill-conditioned acting turns still carry the place-naming skill
+    assert any(f"was at {place}" in p for p, r in workflow if r.startswith("<think>"))
