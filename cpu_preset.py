@@ -339,8 +339,8 @@ def search_samples(records: list[dict], retriever, args, skills: bool = False) -
 
 
 def warm_start_pairs(args, data, pool, skills: bool, skill_place: bool = True) -> list[tuple[str, str]]:
-    """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations
-    (`skill_place`: `walkthrough_samples`'; search ignores it)."""
+    """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations.
+    `skill_place` is passed to `walkthrough_samples` (ALFWorld only; search ignores it)."""
     if args.env == "search":
         return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
     extra = sorted(str(p) for p in Path(args.sft_walkthroughs).glob("json_2.1.1/*/*/*/walkthrough.json")) \
