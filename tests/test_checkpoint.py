@@ -127,6 +127,29 @@ def test_keeps_the_previous_checkpoint_and_falls_back_from_a_damaged_one(tmp_pat
     assert f"{bad3}:" in str(e.value) and f"{bad2}:" in str(e.value), str(e.value)
 
 
+def test_loaded_weights_must_match_the_checksum_saved_with_them(tmp_path, capsys):
+    """A checkpoint whose weights load without error but are not the ones saved (here: the newest one's
+    recorded checksum is off by one part in 1e6) is refused, and the run falls back to the previous one."""
+    model, opt = _model_opt(0)
+    saved = {}
+    for step in (1, 2):
+        _train_step(model, opt)
+        D.save_checkpoint(tmp_path, model, opt, step, ARGS, {"at": step})
+        saved[step] = _params(model)
+    ps = [p.detach().double() for p in model.parameters()]      # a tied head counted once
+    want = [float(sum(p.sum() for p in ps)), float(sum((p ** 2).sum() for p in ps))]
+    extra = tmp_path / "ckpt" / "step_000002" / "extra.pt"
+    st = torch.load(extra, weights_only=False)
+    assert st["checksum"] == pytest.approx(want, rel=1e-12)        # Σw and Σw² of every parameter
+    st["checksum"][1] *= 1 + 1e-6
+    torch.save(st, extra)
+    model2, opt2 = _model_opt(1)
+    got = D.load_checkpoint(tmp_path, model2, opt2)
+    assert got["step"] == 1 and _equal(_params(model2), saved[1])
+    out = capsys.readouterr().out
+    assert "step_000002: does not load: ValueError: the loaded weights give the checksum" in out, out
+
+
 def test_no_checkpoint_loads_nothing_and_old_runs_checkpoints_are_cleared(tmp_path):
     assert D.checkpoints(tmp_path) == [] and D.load_checkpoint(tmp_path, *_model_opt(0)) is None
     model, opt = _model_opt(0)

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
@@ -511,3 +512,32 @@ def test_train_env_search_end_to_end_rsipo(tmp_path):
     assert {"<search>", "</search>", "<answer>", "</answer>"} <= added
     from test_train import _changed_from_warm_start, _state
     assert _changed_from_warm_start(run, _state(run)["model"])   # RL moved weights away from the reference
+
+
+FAKE_JAX = {
+    "jax/__init__.py": "import os, json\nSEEN = os.environ.get('JAX_PLATFORMS')\n"
+                       "open(os.environ['FAKE_JAX_LOG'], 'a').write(json.dumps({'import': SEEN}) + '\\n')\n",
+    "jax/lax.py": "import os, json, numpy as np\n"
+                  "def top_k(x, k):\n"
+                  "    open(os.environ['FAKE_JAX_LOG'], 'a').write(json.dumps({'top_k': int(np.size(x))}) + '\\n')\n"
+                  "    x = np.asarray(x); i = np.argsort(-x)[:k]; return x[i], i\n"}
+
+
+def test_bm25_keeps_an_installed_jax_off_the_gpu(tmp_path):
+    """bm25s runs a JAX top-k when it is imported, if JAX is installed; on a GPU machine JAX's first use took
+    105 GiB of an H200 and the trainer then ran out of memory. The retriever imports bm25s with JAX on the CPU
+    and retrieves with numpy. A stand-in `jax` records what it sees."""
+    for rel, text in FAKE_JAX.items():
+        (tmp_path / "fake" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / rel).write_text(text)
+    log = tmp_path / "jax.log"
+    code = ("import sys; sys.path.insert(0, %r); import env_backends\n"
+            "r = env_backends.BM25Retriever(%r, cache=False)\n"
+            "print(len(r.search(['Sorhal Corcorix', 'mayor of Eskqui'], k=2)))") % (str(ROOT), str(ROOT / "data/search_qa/corpus.jsonl"))
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update(PYTHONPATH=str(tmp_path / "fake"), FAKE_JAX_LOG=str(log))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr[-2000:]
+    seen = [json.loads(x) for x in log.read_text().splitlines()]
+    assert seen[0] == {"import": "cpu"}                       # bm25s did import the stand-in, with JAX on the CPU
+    assert [s for s in seen if "top_k" in s] == [{"top_k": 5}]   # only bm25s's own import-time probe, no retrieval

@@ -306,6 +306,33 @@ def test_sft_micro_batches_give_the_whole_batch_gradient():
     assert any(a.abs().sum() > 0 for a in g_split)
 
 
+def test_sft_skips_a_step_whose_gradient_is_not_finite(monkeypatch):
+    """One non-finite gradient would make every weight NaN (seen at 0.5B on a GPU: the evaluation after SFT
+    then failed in sampling): such a step is skipped and counted, and a finite one still trains."""
+    args = T.Args(tiny_hidden=32, sft_steps=3, sft_batch=2, sft_lr=1e-2)
+    tok = cpu_preset.train_tiny_tokenizer(["go to the fridge now", "open it"])
+    torch.manual_seed(0)
+    model = cpu_preset.tiny_model(len(tok), args)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pairs = [("go to the fridge", "now"), ("open", "it")]
+    real = T.sft_loss_backward
+    poison = {"steps": {0, 2}, "n": 0}
+
+    def backward(model, batch, pad_id, device, micro_tokens):   # steps 0 and 2 get a NaN gradient
+        loss = real(model, batch, pad_id, device, micro_tokens)
+        if poison["n"] in poison["steps"]:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        poison["n"] += 1
+        return loss
+
+    monkeypatch.setattr(T, "sft_loss_backward", backward)
+    loss, skipped = T.sft(model, tok, pairs, args, "cpu")
+    assert skipped == 2 and poison["n"] == 3
+    after = model.state_dict()
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)   # step 1 trained
+
+
 def test_real_models_get_the_released_settings_and_tiny_its_own(capsys):
     real = T.parse_args(["--model", "org/some-instruct"])
     assert (real.lr, real.sft_lr, real.c_kl, real.max_new_tokens, real.skill_max_tokens, real.constrained) == \
