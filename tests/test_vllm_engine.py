@@ -511,92 +511,6 @@ def test_every_module_imports_without_vllm():
     assert f"IMPORTED {len(mods)}" in r.stdout
 
 
-# A stand-in `vllm` package for the plumbing run of scripts/gpu_check.py: the LLM is a Hugging Face
-# model in fp32 that samples token by token and reports the sampled tokens' log-probs, whose
-# `collective_rpc("reload_weights", ...)` loads the pushed tensors and whose engine-core shutdown, like
-# vLLM's, destroys torch's default process group; so the script's sync check must pass, and the script
-# must close the engine and exit cleanly, on CPU, end to end.
-HF_BACKED_VLLM = """
-from types import SimpleNamespace
-import torch
-__version__ = "0.32.0"
-
-class SamplingParams:
-    def __init__(self, **kw):
-        self.kw = kw
-
-class LLM:
-    def __init__(self, model, seed=0, **kw):
-        from transformers import AutoModelForCausalLM
-        self.m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        self.g = torch.Generator().manual_seed(seed)
-        self.closed = False
-        runner = SimpleNamespace(get_model=lambda: self.m)
-        self.worker = SimpleNamespace(model_runner=runner, use_v2_model_runner=True, reload_weights=self._reload,
-                                      get_model=runner.get_model)
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=self.worker)),
-                                          engine_core=SimpleNamespace(shutdown=self._shutdown))
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        fn = getattr(self.worker, method) if isinstance(method, str) else (lambda *a, **k: method(self.worker, *a, **k))
-        return [fn(*args, **(kwargs or {}))]
-
-    def _reload(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
-        sd = dict(weights_iterator)
-        bad = self.m.load_state_dict(sd, strict=False).unexpected_keys
-        assert not bad, bad
-
-    def _shutdown(self):   # as vLLM's EngineCore.shutdown: its teardown ends torch's default group too
-        import torch.distributed as dist
-        assert not self.closed and dist.is_initialized(), "shut down twice, or after destroy_process_group"
-        self.closed = True
-        dist.destroy_process_group()
-        print("FAKE VLLM SHUT DOWN", flush=True)
-
-    @torch.no_grad()
-    def generate(self, prompts, params, use_tqdm=True):
-        outs = []
-        for p, sp in zip(prompts, params):
-            ids, toks, lps = list(p["prompt_token_ids"]), [], []
-            for _ in range(sp.kw["max_tokens"]):
-                logp = self.m(torch.tensor([ids + toks])).logits[0, -1].float().log_softmax(-1)
-                t = int(torch.multinomial(logp.exp(), 1, generator=self.g))
-                toks.append(t)
-                lps.append({t: SimpleNamespace(logprob=float(logp[t]))})
-            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks, logprobs=lps, text="",
-                                                                 finish_reason="length", stop_reason=None)]))
-        return outs
-
-    def sleep(self, level=1):
-        pass
-
-    def wake_up(self, tags=None):
-        return True
-
-    def reset_prefix_cache(self):
-        return True
-"""
-
-
-def test_gpu_check_plumbing_on_cpu_with_an_hf_backed_fake_vllm(tmp_path):
-    (tmp_path / "fake" / "vllm").mkdir(parents=True)
-    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(HF_BACKED_VLLM)
-    out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--hidden", "64", "--layers", "2",
-           "--vocab_words", "300", "--prompts", "4", "--prompt_words", "12", "--gen_tokens", "8", "--steps", "2",
-           "--micro_batch", "2", "--lr", "1e-2", "--work_dir", str(tmp_path / "m"), "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), OMP_NUM_THREADS="1", MASTER_PORT="29541")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "FAKE VLLM SHUT DOWN" in r.stdout and "Traceback" not in r.stderr   # closed, before the group went
-    res = json.loads(out.read_text())
-    s = res["sync"]
-    assert s["pass"] and s["tensors"] == 2 * 12 + 2            # every parameter of the tiny Qwen2, once
-    assert res["before_update"]["max_abs"] < 1e-4               # fp32 on both sides: the same numbers
-    assert s["max_abs_diff_after"] < 1e-4 and s["drift_mean_abs"] > 1e-2   # synced; the update moved it
-    assert res["rollout"]["gen_tokens"] == 4 * 8 and res["update"]["steps_timed"] == 1
-
-
 @pytest.mark.parametrize("script", ["gpu_check.py", "vllm_cpu_smoke.py"])
 def test_scripts_help_runs_on_cpu(script):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], cwd=ROOT,
@@ -613,8 +527,7 @@ def test_scripts_help_runs_on_cpu(script):
                     reason="needs a CUDA GPU and vllm (requirements-gpu.txt)")
 def test_gpu_check_passes(tmp_path):
     out = tmp_path / "gpu_check.json"
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out", str(out), "--steps", "2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--engine", "vllm", "--out", str(out),
+                        "--work_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads(out.read_text())
-    assert res["sync"]["pass"] and res["sync"]["max_abs_diff_after"] < res["sync"]["threshold"]
+    assert json.loads(out.read_text())["pass"]
