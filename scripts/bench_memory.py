@@ -58,6 +58,8 @@ def one(a) -> dict:
     import rsipo
     import rollout
     model, tok = load(a.model, a.cache_dir)
+    if a.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     g = torch.Generator().manual_seed(0)
     V = model.config.vocab_size
     prompts = [torch.randint(100, min(V, len(tok)) - 100, (a.prompt,), generator=g).tolist() for _ in range(a.batch)]
@@ -93,7 +95,10 @@ def one(a) -> dict:
             eng = HFEngine(model, tok, max_new_tokens=a.gen, max_prompt_tokens=10 ** 6)
             eng.eos_ids = [-1]                      # no early end: exactly G tokens per row, as the other variant
             eng.generate([tok.decode(p) for p in prompts], stop=False)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "tie_word_embeddings")
     return {"model": a.model, "what": a.what, "variant": a.variant, "vocab": V, "batch": a.batch,
+            "grad_ckpt": a.grad_ckpt, "config": {k: getattr(model.config, k) for k in keys},
             "prompt": a.prompt, "response": a.response if a.what == "update" else a.gen,
             "peak_over_loaded_mb": round(peak_mb() - base, 1), "seconds": round(time.time() - t0, 2)}
 
@@ -106,6 +111,7 @@ def main(argv=None):
     p.add_argument("--response", type=int, default=64, help="response tokens in the update")
     p.add_argument("--gen", type=int, default=128, help="generated tokens")
     p.add_argument("--cache_dir", default="~/.cache/rsipo")
+    p.add_argument("--grad_ckpt", action="store_true", help="activation checkpointing (update only)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--one", nargs=3, metavar=("MODEL", "WHAT", "VARIANT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
