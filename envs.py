@@ -240,7 +240,8 @@ def _worker_main(conn, env_class: type[AlfWorldEnv], max_steps: int, memo_textge
     """Worker process: owns envs of `env_class` (one per live episode, reused across episodes, so
     the worker holds as many engines as its largest batch of concurrent episodes) and one game
     cache."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and a scheduler's SIGTERM are the parent's business:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it finishes its step and closes the pool (train.Preemption)
     env_backends.MEMO_TEXTGEN = memo_textgen
     _engine_class()  # import textworld/alfworld now, so that start-up is not billed to a reset
     import alfworld.agents.environment.alfred_tw_env  # noqa: F401

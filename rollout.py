@@ -237,7 +237,9 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[str], temperature: Optional[float] = None, greedy: bool = False,
                  allowed_actions: Optional[list[list[str]]] = None, max_new_tokens: Optional[int] = None,
-                 stop: bool = True, batch_size: int = 64) -> list[Generation]:
+                 stop: bool = True, batch_size: int = 64, seeds: Optional[list[int]] = None) -> list[Generation]:
+        """`seeds` (one per prompt) is accepted for the vLLM engine's interface and not used: HF `generate`
+        draws a batch's samples from one generator (`evaluate` seeds it for common random numbers)."""
         out: list[Generation] = []
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
@@ -329,8 +331,8 @@ class VLLMEngine:
     * The engine runs in this process (`distributed_executor_backend="external_launcher"`, tensor
       parallel 1): under torchrun every rank holds its own engine on its own GPU and generates its own
       share of the tasks; vLLM reuses the process group that train.py already set up. `seed` is the
-      engine seed (give each rank its own); requests carry no per-request seed, so the N copies of a
-      task in a group sample independently.
+      engine seed (give each rank its own); training requests carry no per-request seed, so the N copies
+      of a task in a group sample independently; evaluation requests carry one each (`run_episodes(seed=)`).
     * Sampled log-probs come from `SamplingParams(logprobs=0)` (the sampled token only), in
       `logprobs_mode` (default `processed_logprobs`: under the sampling distribution, as HFEngine's);
       they are for diagnostics, the trainer recomputes old log-probs.
@@ -346,7 +348,11 @@ class VLLMEngine:
       trailing EOS dropped (the tokenizer's, or a checkpoint eos id that vLLM reports as an integer
       `stop_reason`), text exactly the decoding of those ids by our tokenizer; `free` when sampled at
       T 1 and top-p 1.
-    * `sleep()` (level 1: weights offloaded to CPU, KV cache freed) before the update;
+    * `sleep()` before the update, at `sleep_level` 2 by default: vLLM discards its weights and KV cache
+      (vllm 0.32.0 `Worker.sleep`, v1/worker/gpu_worker.py:294-311, keeps a CPU copy of the model's buffers
+      at level 2 and `wake_up` restores them, :337-346), since `load_weights` overwrites every weight right
+      after the update anyway; level 1 would copy the weights to pinned host memory and back at every step
+      (14 GiB per rank at 7B) **[ours]**. At level 2 only `load_weights` may wake the engine.
       `load_weights(named_tensors)` wakes the weights, pushes every tensor through the worker's
       `reload_weights` (vLLM's in-place reload: it re-runs post-load processing and keeps tensor
       storage, so CUDA graphs and a tied LM head stay valid; on vLLM's CPU backend a tied head's packed
@@ -367,7 +373,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, tokenizer, *, max_new_tokens: int = 512, temperature: float = 1.0,
                  top_p: float = 1.0, max_prompt_tokens: int = 2048, max_model_len: Optional[int] = None,
                  stop_texts: Optional[list[str]] = None, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "bfloat16", enable_sleep_mode: bool = True, enforce_eager: bool = False,
+                 dtype: str = "bfloat16", enable_sleep_mode: bool = True, sleep_level: int = 2, enforce_eager: bool = False,
                  logprobs_mode: str = "processed_logprobs", llm_kwargs: Optional[dict] = None):
         import os
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the external launcher runs in-process
@@ -392,6 +398,9 @@ class VLLMEngine:
         single = [tokenizer.encode(s, add_special_tokens=False) for s in self.stop_texts]
         self.stop_token_ids = [ids[0] for ids in single if len(ids) == 1]   # one-token stop texts (tiny vocab)
         self.sleep_mode = enable_sleep_mode
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        self.sleep_level = sleep_level
         self.asleep = False
         self.push_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
         kw = dict(model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
@@ -405,10 +414,11 @@ class VLLMEngine:
     encode = HFEngine.encode           # the same prompt ids as HFEngine: our chat template
     prompt_len = HFEngine.prompt_len
 
-    def _sampling_params(self, max_tokens: int, temperature: float, greedy: bool, stop: bool):
+    def _sampling_params(self, max_tokens: int, temperature: float, greedy: bool, stop: bool,
+                         seed: Optional[int] = None):
         kw = dict(n=1, max_tokens=max_tokens, logprobs=0, temperature=0.0 if greedy else temperature,
                   top_p=1.0 if greedy else self.top_p, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                  presence_penalty=0.0, frequency_penalty=0.0, seed=None, skip_special_tokens=False,
+                  presence_penalty=0.0, frequency_penalty=0.0, seed=seed, skip_special_tokens=False,
                   include_stop_str_in_output=True)   # every sampling knob explicit: only temperature / top-p act
         if stop:
             kw.update(stop=list(self.stop_texts), stop_token_ids=list(self.stop_token_ids))
@@ -416,7 +426,9 @@ class VLLMEngine:
 
     def generate(self, prompts: list[str], temperature: Optional[float] = None, greedy: bool = False,
                  allowed_actions: Optional[list[list[str]]] = None, max_new_tokens: Optional[int] = None,
-                 stop: bool = True, batch_size: int = 64) -> list[Generation]:
+                 stop: bool = True, batch_size: int = 64, seeds: Optional[list[int]] = None) -> list[Generation]:
+        """`seeds`: one sampling seed per prompt (vLLM then samples that request from its own generator), or
+        None: the engine's own stream, as in training."""
         if allowed_actions is not None:
             raise ValueError("VLLMEngine has no constrained decoding (allowed_actions): it is a feature of the "
                              "tiny CPU preset's HFEngine; run with --constrained false")
@@ -432,7 +444,9 @@ class VLLMEngine:
         if too_long:
             raise ValueError(f"a prompt of {too_long[0]} tokens exceeds --max_prompt_tokens {self.max_prompt_tokens} "
                              "(callers fit prompts by dropping history: rollout.fit_prompt)")
-        params = [self._sampling_params(min(want, self.max_model_len - len(x)), temperature, greedy, stop) for x in ids]
+        seeds = seeds if seeds is not None else [None] * len(ids)
+        params = [self._sampling_params(min(want, self.max_model_len - len(x)), temperature, greedy, stop, s)
+                  for x, s in zip(ids, seeds)]
         outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
         free = not greedy and temperature == 1.0 and self.top_p >= 1.0
         return [self._generation(o.outputs[0], x, free, stop) for o, x in zip(outs, ids)]
@@ -455,13 +469,18 @@ class VLLMEngine:
         return Generation(decode(toks), toks, lps, prompt_ids, free)
 
     def sleep(self):
-        """Level 1: weights to CPU, KV cache freed (GPU memory for the update). Idempotent."""
+        """Free vLLM's GPU memory for the update: level 2 discards the weights and the KV cache, level 1
+        offloads the weights to CPU. Idempotent."""
         if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self.asleep = True
 
     def wake_up(self):
+        """Wake without new weights: level 1 only (level 2 discarded them: wake with `load_weights`)."""
         if self.asleep:
+            if self.sleep_level == 2:
+                raise RuntimeError("VLLMEngine.wake_up after a level-2 sleep: the weights were discarded; "
+                                   "push them with load_weights(...)")
             self.llm.wake_up()
             self.asleep = False
 
@@ -567,10 +586,16 @@ class VLLMEngine:
             llm.llm_engine.engine_core.shutdown()
 
 
+def request_seed(seed: int, task_id: str, copy: int, turn: int) -> int:
+    """A sampling seed for one generation request: a 31-bit hash of (seed, task id, copy, turn)."""
+    import zlib
+    return zlib.crc32(f"{seed}|{task_id}|{copy}|{turn}".encode()) & 0x7FFFFFFF
+
+
 def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_len: int = 5,
                  skills: Optional[dict[int, str]] = None, temperature: Optional[float] = None,
                  greedy: bool = False, constrained: bool = False, group_offset: int = 0, reserve: int = 0,
-                 progress: Optional[Callable[[int], None]] = None) -> list[Episode]:
+                 progress: Optional[Callable[[int], None]] = None, seed: Optional[int] = None) -> list[Episode]:
     """Play `n_per_task` episodes of every task in lock-step; all copies of a task start identically.
 
     tasks: dicts with the pool's `task_key` (ALFWorld `gamefile`, search `id`; optional
@@ -584,6 +609,10 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
     inserts later): the oldest history turns are left out until it does (`fit_prompt`). A turn whose prompt
     cannot fit even with no history is not generated: the env gets an empty action (one step spent, as
     for an unparsable response), the episode counts it in `ep.overflow`, and there is no training sample.
+
+    `seed` [ours]: each generation request gets its own sampling seed, a hash of (seed, task id, copy, turn)
+    (`request_seed`), which an engine that samples each request on its own (vLLM) uses; so the same turn of
+    the same episode draws the same random numbers in two evaluations, on any rank and in any batch.
     """
     key = getattr(pool, "task_key", "gamefile")
     make_prompt = getattr(pool, "build_prompt", build_prompt)
@@ -622,8 +651,10 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
                 continue
             idx.append(i)
             prompts.append(p)
+        seeds = [request_seed(seed, gamefiles[i], i % n_per_task, step) for i in idx] if seed is not None else None
         gens = engine.generate(prompts, temperature=temperature, greedy=greedy,
-                               allowed_actions=[adm[i] for i in idx] if constrained else None) if prompts else []
+                               allowed_actions=[adm[i] for i in idx] if constrained else None,
+                               seeds=seeds) if prompts else []
         for i, p, g in zip(idx, prompts, gens):
             act = parse(g.text)
             ep = eps[i]
@@ -787,15 +818,18 @@ def evaluate(engine, pool, games: list[str], args, constrained: bool) -> tuple[d
     """Success on held-out games (`eval_repeats` episodes each): the metrics (overall, per task type) and
     the success per game (for `paired_gain`); games split across ranks."""
     mine = games[distributed.RANK::distributed.WORLD]
-    # [ours] common random numbers: every evaluation of a run starts from the same sampling seed (the
-    # training RNG is left untouched), so an unchanged policy scores the same and start-vs-end is paired
-    # for as long as the episodes agree (HF engine; vLLM seeds its own sampler)
+    # [ours] common random numbers, so that start-vs-end is paired and an unchanged policy scores the same
+    # (the training RNG is left untouched). HF engine: every evaluation starts its rank's generator from
+    # the same seed, which pairs the episodes for as long as they agree (one generator serves the batch).
+    # vLLM: every request carries its own seed from (run seed, game, copy, turn), so each turn of each
+    # episode draws the same numbers in every evaluation, whatever else is in the batch.
+    seed = 1_000_003 * (args.seed + 1)
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(1_000_003 * (args.seed + 1) + distributed.RANK)
+        torch.manual_seed(seed + distributed.RANK)
         eps = run_episodes(engine, pool, [{pool.task_key: g} for g in mine], args.eval_repeats,
                            history_len=args.history_len, temperature=args.eval_temperature,
-                           greedy=args.eval_temperature <= 0, constrained=constrained) if mine else []
+                           greedy=args.eval_temperature <= 0, constrained=constrained, seed=seed) if mine else []
     rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps), e.task_id) for e in eps]) for r in part]
     out = {"eval/success": float(np.mean([w for _, w, *_ in rows])) if rows else 0.0,
            "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for _, _, n, _ in rows])) if rows else 0.0}

@@ -42,6 +42,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -97,6 +98,8 @@ class Args:
                              "compute is FSDP2 mixed precision (one GPU without torchrun runs as a world of one)")
     engine: str = arg("hf", "generation: hf (Hugging Face generate; CPU, tests) | vllm (GPU under torchrun; requirements-gpu.txt)")
     gpu_memory_utilization: float = arg(0.35, "--engine vllm: fraction of each GPU's memory vLLM may take (weights + KV cache)")
+    vllm_sleep_level: int = arg(2, "[ours] --engine vllm: how vLLM frees the GPU for the update: 2 discards its weights "
+                                "(the sync after the update rewrites them all), 1 offloads them to pinned host memory")
     grad_ckpt: bool = arg(False, "activation checkpointing of every decoder block (HF, non-reentrant) to save GPU memory "
                           "(a real model on a GPU: on by default)")
     tiny_hidden: int = arg(128, "tiny model: hidden size")
@@ -240,6 +243,8 @@ class Args:
             bad("engine", "vllm loads a checkpoint: give --model an HF name or path (the tiny preset is CPU-only)")
         if self.engine == "vllm" and self.constrained:
             bad("constrained", "is an HF-engine feature of the tiny CPU preset; use --constrained false with --engine vllm")
+        if self.vllm_sleep_level not in (1, 2):
+            bad("vllm_sleep_level", f"must be 1 or 2, got {self.vllm_sleep_level}")
         if not (0 < self.gpu_memory_utilization < 1):
             bad("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization}")
         for f in ("micro_tokens", "sft_micro_tokens", "skill_max_tokens"):
@@ -691,6 +696,7 @@ class Run:
     skill_reserve: int = 0                # prompt tokens kept free for the teacher's skill line
     episodes: dict = field(default_factory=dict)      # the latest won and lost episode, for the report
     phases: Any = field(default_factory=lambda: Timer())   # the run's phases outside the steps (sft, eval, save)
+    preempt: Any = None                   # Preemption: SIGTERM → a checkpoint and exit 143
 
     @property
     def scorer(self):                     # π_old: the weights that sampled
@@ -726,27 +732,100 @@ class Timer:
         self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.time() - t
 
 
+class Preempted(Exception):
+    """Every rank agreed to stop before this step's update: the step is abandoned."""
+
+
+class Preemption:
+    """[ours] SIGTERM, a scheduler's notice before it kills the job, stops the run with at most one step lost.
+    The handler only records the signal; the ranks agree on it with `requested()`, a collective that every
+    rank calls at the same points: between the step's sections, at a step's end and before the first step.
+    Seen before the update, the step is abandoned (`Preempted`; the loop restores the state the step began
+    with, so a resumed run redoes it exactly); seen later, the step finishes. Then a checkpoint of the steps
+    done is written and the run exits with 143 (128 + SIGTERM), so that the same command resumes.
+    Under torchrun, SIGTERM sent to torchrun reaches the workers, and torch's elastic agent kills them 30 s
+    later: a section longer than that (a 7B rollout) needs the signal sent to the workers themselves."""
+
+    def __init__(self):
+        self.seen = False
+        self.previous = signal.signal(signal.SIGTERM, self._record)   # the main thread's handler
+
+    def _record(self, signum, frame):
+        if not self.seen:
+            print(f"[rank {D.RANK}] SIGTERM: the run stops at the next safe point and writes a checkpoint", flush=True)
+        self.seen = True
+
+    def requested(self) -> bool:
+        """Whether any rank has seen SIGTERM (a collective: all ranks call it at the same point)."""
+        return bool(all_reduce(float(self.seen), "max")[0] > 0)
+
+    def check(self):
+        """Between the sections before the update: abandon the step when any rank has seen SIGTERM."""
+        if self.requested():
+            raise Preempted()
+
+    def close(self):
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def snapshot(run: Run) -> dict:
+    """What a step changes before its update (RNGs, the skill bank and running means, the trust-check file):
+    restored when the step is abandoned, so the checkpoint holds the state of the steps done."""
+    calib = run.run_dir / "calibration.jsonl"
+    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "task_rng": run.task_rng.getstate(), "skill_rng": run.skill_rng.getstate(),
+            "bank": copy.deepcopy(run.bank), "skill_means": copy.deepcopy(run.skill_means),
+            "calibration_bytes": calib.stat().st_size if calib.exists() else 0}
+
+
+def restore(run: Run, snap: dict):
+    random.setstate(snap["random"])
+    np.random.set_state(snap["numpy"])
+    torch.set_rng_state(snap["torch"])
+    run.task_rng.setstate(snap["task_rng"])
+    run.skill_rng.setstate(snap["skill_rng"])
+    run.bank, run.skill_means = snap["bank"], snap["skill_means"]
+    calib = run.run_dir / "calibration.jsonl"
+    if D.RANK == 0 and calib.exists():
+        with open(calib, "r+b") as f:
+            f.truncate(snap["calibration_bytes"])
+
+
+def stop_preempted(run: Run, done: int):
+    """Write the checkpoint after `done` steps (unless the newest one is that) and exit with 143."""
+    newest = checkpoints(run.run_dir)
+    if not newest or int(newest[0].name[5:]) != done:
+        save(run, done)
+    print0(f"preempted (SIGTERM): checkpoint of step {done} written; the same command resumes from it")
+    raise SystemExit(143)
+
+
 # ---------------------------------------------------------------------------------------------
 # One RL step, section by section (METHOD.md §2)
 # ---------------------------------------------------------------------------------------------
 
 def rl_step(run: Run, step: int) -> bool:
-    """One step of the method; returns True when the env-step budget is spent."""
-    a, timer = run.args, Timer()
+    """One step of the method; returns True when the env-step budget is spent. Between the sections before
+    the update, a SIGTERM on any rank abandons the step (`Preemption`)."""
+    a, timer, check = run.args, Timer(), run.preempt.check
     with timer("rollout"):
         b = rollout_and_advantages(run)
+    check()
     if a.uses_skills:
         with timer("skills"):
             write_skills(run, b)
+        check()
         if a.algo == "rsipo":
             with timer("replay"):
                 replay(run, b)
+            check()
         trust(run, b, step)
         if a.calibrate:
             with timer("calibrate"):
                 calibrate(run, b, step)
     with timer("score"):
         samples, skill_samples = score(run, b)
+    check()                               # the last point to abandon: the update changes the weights
     with timer("update"):
         um = update(run.model, run.opt, samples + skill_samples, a, run.tok.pad_token_id, run.device,
                     use_teacher=a.uses_skills)
@@ -990,16 +1069,21 @@ def log_eval_save(run: Run, step: int, b: Batch, samples: list[Sample], skill_sa
                                  "reward": e.reward, "won": e.won, "steps": [list(s) for s in e.steps], "step": step + 1}
     stop = bool(a.max_env_steps) and run.env_steps >= a.max_env_steps
     if a.save_every and ((step + 1) % a.save_every == 0 or step + 1 == a.steps or stop):
-        with run.phases("save"):
-            save_checkpoint(run.run_dir, run.model, run.opt, step + 1, a,
-                            {"summary": {k: v for k, v in run.summary.items() if k != "config"},
-                             "skill_means": run.skill_means, "bank": run.bank.to_dict(),
-                             "skill_rng": all_gather_obj(run.skill_rng.getstate())})
-        if D.RANK == 0 and a.algo == "rsipo":
-            run.bank.save(run.run_dir / "skill_bank.json")
+        save(run, step + 1)
     if stop:
         print0(f"env-step budget {a.max_env_steps} reached after step {step + 1}")
     return stop
+
+
+def save(run: Run, done: int):
+    """The run's checkpoint after `done` RL steps (a collective), and the skill bank beside it."""
+    with run.phases("save"):
+        save_checkpoint(run.run_dir, run.model, run.opt, done, run.args,
+                        {"summary": {k: v for k, v in run.summary.items() if k != "config"},
+                         "skill_means": run.skill_means, "bank": run.bank.to_dict(),
+                         "skill_rng": all_gather_obj(run.skill_rng.getstate())})
+    if D.RANK == 0 and run.args.algo == "rsipo":
+        run.bank.save(run.run_dir / "skill_bank.json")
 
 
 def progress(msg: str):   # a line above the progress bar (rank 0)
@@ -1073,7 +1157,8 @@ def build_policy(run: Run):
               max_prompt_tokens=a.max_prompt_tokens, stop_texts=list(run.pool.stop_texts))
     if a.engine == "vllm":                # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores π_old
         run.engine = VLLMEngine(run.model_path, run.tok, max_model_len=a.max_prompt_tokens + max(a.max_new_tokens, a.skill_max_tokens),
-                                seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization, **kw)
+                                seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization,
+                                sleep_level=a.vllm_sleep_level, **kw)
     else:
         run.rollout_model = copy.deepcopy(run.model).eval()
         if run.device.type == "cuda":
@@ -1243,15 +1328,28 @@ def main(argv=None) -> dict:
     run = None
     try:
         run = setup(parse_args(argv))
+        run.preempt = Preemption()
         build_policy(run)
         begin(run)
         from tqdm import tqdm
         for step in tqdm(range(run.start, run.args.steps), desc="rl", disable=D.RANK != 0, initial=run.start,
                          total=run.args.steps):
-            if rl_step(run, step):
+            if run.preempt.requested():   # seen during the warm start, or after the last step's end check
+                stop_preempted(run, step)
+            snap = snapshot(run)
+            try:
+                stop = rl_step(run, step)
+            except Preempted:
+                restore(run, snap)
+                stop_preempted(run, step)
+            if run.preempt.requested():
+                stop_preempted(run, step + 1)
+            if stop:
                 break
         finish(run)
     finally:
+        if run is not None and run.preempt is not None:
+            run.preempt.close()
         teardown(run)
     return run.summary
 

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 import train  # noqa: E402
 
-SECTIONS = ["rollout", "skills", "replay", "old_ref_logp", "teacher", "update", "sync"]
+SECTIONS = ["rollout", "skills", "replay", "score", "update", "sync"]   # the sections train.rl_step times
 
 
 def bench(algo: str, a, out_dir: str) -> dict:
@@ -37,6 +37,11 @@ def bench(algo: str, a, out_dir: str) -> dict:
     rows = [json.loads(l) for l in (Path(out_dir) / f"bench_{algo}" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/step" in r][1:] or [r for r in rows if "time/step" in r]  # drop warm-up
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows)
+    expected = [s for s in SECTIONS if s != "skills" or algo in ("opsd", "rsipo")]
+    expected = [s for s in expected if s != "replay" or algo == "rsipo"]
+    missing = [s for s in expected if not any(f"time/{s}" in r for r in rows)]
+    if missing:   # a renamed section would otherwise show as zeros
+        raise SystemExit(f"error: the trainer logged no time/{missing[0]} (it logs {sorted(k for k in rows[0] if k.startswith('time/'))})")
     res = {f"time/{s}": mean(f"time/{s}") for s in SECTIONS}
     res["time/step"] = mean("time/step")
     res["rollout_tokens_per_s"] = sum(r["rollout/gen_tokens"] for r in rows) / max(1e-9, sum(r["time/rollout"] for r in rows))

@@ -256,3 +256,69 @@ def test_threads_respect_omp_num_threads():
 
 if __name__ == "__main__":   # torchrun worker of test_two_ranks_write_per_rank_shards_and_resume_exactly
     _two_rank_worker(Path(sys.argv[1]))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_sigterm_mid_run_then_restart_matches_the_uninterrupted_run(tmp_path):
+    """2 ranks, 3 RL steps. SIGTERM to torchrun in step 2: the ranks agree, the step is abandoned (before its
+    update) or finished (after), a checkpoint of the steps done is written and the run exits non-zero; the
+    same command then resumes, and every step's metrics equal those of a run never interrupted."""
+    import signal
+    argv = [str(ROOT / "train.py"), *TINY, "--steps", "3", "--env_workers", "1", "--eval", "false",
+            "--out_dir", str(tmp_path)]
+    _torchrun(argv + ["--run_name", "full"], 29554, timeout=900)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29555",
+           *argv, "--run_name", "cut"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    for line in p.stdout:
+        out.append(line)
+        if line.startswith("step    1 |"):   # a tiny step takes about a second: this lands in step 1's end or step 2
+            p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=300)
+    log = "".join(out)
+    assert rc != 0 and "preempted (SIGTERM): checkpoint of step" in log, log[-3000:]
+    done = int(log.split("preempted (SIGTERM): checkpoint of step ")[1].split()[0])
+    assert done in (1, 2) and D.checkpoints(tmp_path / "cut")[0].name == f"step_{done:06d}"
+    r = _torchrun(argv + ["--run_name", "cut"], 29556, timeout=900)
+    assert f"at step {done} (weights match" in r.stdout, r.stdout[-3000:]
+
+    def steps(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows if "train/success" in r]
+
+    full, cut = steps("full"), steps("cut")
+    assert [r["step"] for r in cut] == [1, 2, 3]
+    for a, b in zip(full, cut):
+        assert a.keys() == b.keys()
+        assert all(a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7) for k in a), (a, b)
+    assert _equal(_state(tmp_path / "full")["model"], _state(tmp_path / "cut")["model"])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_a_run_checkpointed_on_two_ranks_resumes_on_one(tmp_path):
+    """DCP reshards: the step-1 checkpoint of a 2-rank run, resumed by `python train.py` (one rank, no process
+    group), takes the same step 2 as the 2-rank run, up to the order of float sums. Rollouts are greedy here
+    (each rank samples with its own random stream, so sampled episodes differ with the world size) and one
+    mini-batch holds the step's samples (so the optimizer takes the same steps)."""
+    flags = [*TINY, "--temperature", "0", "--skill_temperature", "0", "--mini_batch", "64", "--env_workers", "1",
+             "--eval", "false", "--out_dir", str(tmp_path)]
+    _torchrun([str(ROOT / "train.py"), *flags, "--run_name", "two"], 29557, timeout=900)
+    two, one = tmp_path / "two", tmp_path / "one"
+    shutil.copytree(two, one)
+    shutil.rmtree(one / "ckpt" / "step_000002")
+    rows = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    (one / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 1))
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags, "--run_name", "one"], cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "step_000001 at step 1 (weights match the checksum saved with them)" in r.stdout, r.stdout[-3000:]
+    s2 = next(r for r in rows if r["step"] == 2 and "train/success" in r)
+    s2_one = next(json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(x)["step"] == 2 and "train/success" in json.loads(x))
+    keys = [k for k in s2 if not k.startswith(("time/", "mem/"))]
+    assert set(keys) == {k for k in s2_one if not k.startswith(("time/", "mem/"))}
+    assert s2["update/grad_norm"] > 0 and s2["kl/k3"] > 0          # the update moved the weights
+    assert all(s2[k] == pytest.approx(s2_one[k], rel=1e-4, abs=1e-6) for k in keys), \
+        {k: (s2[k], s2_one[k]) for k in keys if s2[k] != pytest.approx(s2_one[k], rel=1e-4, abs=1e-6)}

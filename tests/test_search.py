@@ -364,6 +364,46 @@ def test_run_episodes_drives_the_search_pool(bm25, qa):
     assert "Turn 2: <search> Marnel </search>" in eng.prompts[2][0] and "Gartis" in eng.prompts[2][0]
 
 
+class _SeedRecorder(_ScriptedEngine):
+    """Searches once, then answers; records each request's seed."""
+
+    def __init__(self):
+        super().__init__([])
+        self.seeds = []
+
+    def generate(self, prompts, temperature=None, greedy=False, allowed_actions=None, seeds=None, **kw):
+        self.seeds.append(seeds)
+        turn = len(self.seeds) - 1
+        return [Generation("<search> Rhobeltek </search>" if turn == 0 else "<answer> x </answer>", [1], [-0.1], [3])
+                for _ in prompts]
+
+
+def test_evaluation_requests_carry_the_same_seeds_in_every_evaluation(bm25, qa):
+    """Common random numbers on an engine that samples each request alone (vLLM): the seed of a request
+    depends on the run seed, the task, the copy and the turn only, not on the batch or the rank."""
+    import train as T
+    from rollout import evaluate, request_seed
+    args = T.parse_args(["--env", "search", "--eval_repeats", "2"])
+    games = ["gen_multi:test-0001", "gen_single:test-0000"]
+    seen = []
+    with envs.SearchPool(bm25, qa) as pool:
+        for order in (games, games[::-1]):
+            eng = _SeedRecorder()
+            evaluate(eng, pool, order, args, constrained=False)
+            seen.append(eng.seeds)
+    base = 1_000_003 * (args.seed + 1)
+    want = [[request_seed(base, g, c, 0) for g in games for c in (0, 1)],
+            [request_seed(base, g, c, 1) for g in games for c in (0, 1)]]
+    assert seen[0] == want
+    assert sorted(map(sorted, seen[1])) == sorted(map(sorted, want))     # other batch order, the same seeds
+    assert len({s for turn in want for s in turn}) == 8                 # every (task, copy, turn) its own
+    assert request_seed(base + 1, games[0], 0, 0) != want[0][0]          # another run seed, other numbers
+    eng = _SeedRecorder()
+    with envs.SearchPool(bm25, qa) as pool:                              # training rollouts: no seeds
+        run_episodes(eng, pool, [{"id": games[0]}], 2)
+    assert eng.seeds == [None, None]
+
+
 def test_hf_engine_stop_texts(tmp_path):
     import cpu_preset
     import train as T

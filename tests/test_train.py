@@ -168,6 +168,40 @@ def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
     assert b.metrics["calib/tasks"] == 2 and b.metrics["calib/env_steps"] == sum(len(e.steps) for e in eps)
 
 
+def test_sigterm_before_the_update_abandons_the_step_and_the_resumed_run_redoes_it_exactly(tmp_path, monkeypatch):
+    """SIGTERM during step 2's skill writing: the step is abandoned at the next check, the state the step began
+    with is restored (RNGs, bank, running means) and written as the checkpoint of step 1 (none was due: save
+    every 10), the run exits with 143; the same command then resumes and matches a run never interrupted."""
+    import signal
+    flags = TINY + ["--algo", "rsipo", "--steps", "3", "--save_every", "10", "--eval", "false", "--out_dir", str(tmp_path)]
+    handler = signal.getsignal(signal.SIGTERM)
+    full = T.main(flags + ["--run_name", "full"])
+    real, calls = T.write_skills, {"n": 0}
+
+    def write_skills(run, b):               # the scheduler's signal arrives in the middle of step 2
+        real(run, b)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(T, "write_skills", write_skills)
+    with pytest.raises(SystemExit) as e:
+        T.main(flags + ["--run_name", "cut"])
+    assert e.value.code == 143 and calls["n"] == 2
+    assert [d.name for d in D.checkpoints(tmp_path / "cut")] == ["step_000001"]
+    assert signal.getsignal(signal.SIGTERM) == handler   # the run gave the handler back
+    monkeypatch.setattr(T, "write_skills", real)
+    cut = T.main(flags + ["--run_name", "cut"])
+
+    def steps(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows if "train/success" in r]
+
+    assert [r["step"] for r in steps("cut")] == [1, 2, 3]
+    assert steps("full") == steps("cut")
+    assert cut["sft/final_loss"] == full["sft/final_loss"]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
 @pytest.mark.parametrize("algo", ["grpo", "rsipo"])
 def test_torchrun_two_cpu_ranks(tmp_path, algo):

@@ -218,6 +218,8 @@ def test_sampling_params_temperature_greedy_stop_and_max_tokens(fake_vllm, tok):
                       stop=[STOP_TEXT], stop_token_ids=act)
     eng.generate(["go to desk 1"])             # engine default temperature 1.0
     assert eng.llm.requests[-1][1]["temperature"] == 1.0
+    eng.generate(["go to desk 1", "open drawer 1"], seeds=[11, 12])   # evaluation: one seed per request
+    assert [sp["seed"] for _, sp in eng.llm.requests[-2:]] == [11, 12]
     for kw in (dict(greedy=True), dict(temperature=0.0)):
         eng.generate(["go to desk 1"], **kw)
         sp = eng.llm.requests[-1][1]
@@ -334,15 +336,19 @@ def test_sleep_wake_sync_order_and_prefix_cache_reset(fake_vllm, tok):
     push = [("collective_rpc", "reload_weights", ["is_checkpoint_format", "weights_iterator"]),
             ("reload_begin",), ("load_weights", 1), ("reload_end",),   # vLLM's in-place reload
             ("collective_rpc", "_repack_tied_cpu_head", [])]          # then the CPU tied-head re-pack
-    assert eng.llm.log == [("sleep", 1), ("wake_up", ["weights"]), *push,
+    assert eng.llm.log == [("sleep", 2), ("wake_up", ["weights"]), *push,
                            ("wake_up", ["kv_cache"]), ("reset_prefix_cache",)]
     eng.generate(["x"])                          # awake again
     eng.llm.log.clear()
     eng.load_weights(w)                          # awake: push, then reset the prefix cache
     assert eng.llm.log == [*push, ("reset_prefix_cache",)]
     eng.llm.log.clear()
-    eng.sleep(), eng.wake_up()
-    assert eng.llm.log == [("sleep", 1), ("wake_up", None)]
+    eng.sleep()                                  # level 2 discarded the weights: only a push may wake it
+    with pytest.raises(RuntimeError, match="discarded"):
+        eng.wake_up()
+    one = make(tok, sleep_level=1)               # level 1 kept them in host memory: a plain wake is fine
+    one.sleep(), one.wake_up()
+    assert one.llm.log == [("sleep", 1), ("wake_up", None)]
     off = make(tok, enable_sleep_mode=False)
     off.sleep()
     assert off.llm.log == [] and off.llm.kwargs["enable_sleep_mode"] is False
