@@ -58,7 +58,7 @@ def update_pair(model, tok, a) -> dict:
         old = rollout.score_tokens(model, pairs, pad, "cpu", a.batch)
     samples = [train.Sample(p, r, 1.0 if i % 2 else -1.0, o, ref=o) for i, ((p, r), o) in enumerate(zip(pairs, old))]
     args = train.Args(model="smollm2", mini_batch=a.batch, micro_batch=a.batch, micro_tokens=0, lr=1e-7,
-                      c_kl=0.01, c_ent=0.001, drop_zero_adv=True)
+                      c_kl=0.01, c_ent=a.c_ent, drop_zero_adv=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-7)
 
     def trainer():
@@ -121,6 +121,8 @@ def main(argv=None):
     p.add_argument("--gen", type=int, default=32, help="generated tokens (generation)")
     p.add_argument("--iters", type=int, default=3, help="timed repeats (median), after one warm-up")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--c_ent", type=float, default=0.001, help="the trainer's entropy bonus (0: no entropy term)")
+    p.add_argument("--only", default="", choices=["", "update", "generate"], help="measure one of the two")
     p.add_argument("--cache_dir", default="~/.cache/rsipo")
     p.add_argument("--out", default="", help="write the results as JSON here")
     a = p.parse_args(argv)
@@ -129,8 +131,9 @@ def main(argv=None):
     model, tok = load(a.model, a.cache_dir)
     res = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv), "model": a.model,
            "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "update": update_pair(model, tok, a), "generate": generate_pair(model, tok, a)}
-    for k in ("update", "generate"):
+           **{k: f(model, tok, a) for k, f in (("update", update_pair), ("generate", generate_pair))
+              if a.only in ("", k)}}
+    for k in [k for k in ("update", "generate") if k in res]:
         r = res[k]
         mine = r.get("trainer_tokens_per_s", r.get("engine_tokens_per_s"))
         print(f"{k:9s} ours {mine:8.1f} tok/s | bare {r['bare_tokens_per_s']:8.1f} tok/s | ratio {r['ratio']:.2f}",
