@@ -140,12 +140,12 @@ def cpu_threads(world: int, environ=os.environ) -> int:
 
 
 def shard(model, param_dtype: Optional[torch.dtype] = None):
-    """FSDP2: fully_shard every decoder block, then the root (only when running distributed). Parameters
-    stay in their dtype (fp32: the master weights); `param_dtype` bf16 (default on GPU) computes the
-    forward and backward in bf16 and reduces gradients in fp32."""
-    if not dist.is_initialized():
+    """FSDP2: fully_shard every decoder block, then the root (only when running distributed; a model already
+    sharded is returned as it is). Parameters stay in their dtype (fp32: the master weights); `param_dtype`
+    bf16 (default on GPU) computes the forward and backward in bf16 and reduces gradients in fp32."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard, MixedPrecisionPolicy
+    if not dist.is_initialized() or isinstance(model, FSDPModule):
         return model
-    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     param_dtype = param_dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     mp = None
     if param_dtype != torch.float32:
@@ -155,6 +155,56 @@ def shard(model, param_dtype: Optional[torch.dtype] = None):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def load_sharded(path: str, dtype: torch.dtype, device, param_dtype: Optional[torch.dtype] = None,
+                 grad_ckpt: bool = False):
+    """A Hugging Face causal LM from `path`, FSDP2-sharded as it loads: rank 0 reads the checkpoint into host
+    memory, every other rank builds the model on the meta device (no memory), all shard it (`shard`) and
+    allocate their shards on `device`, and rank 0's tensors are broadcast one at a time into the shards
+    (`set_model_state_dict(broadcast_from_rank0=True)`); the buffers that are no part of the state dict
+    (the rotary frequencies) come from rank 0 as well. So only rank 0 ever holds the whole model, in host
+    memory, and no GPU does (at 7B in fp32: 28 GiB on one host process, against 28 GiB per rank, and 28 GiB
+    more on every GPU, when each rank loads it and moves it whole). A collective; needs a process group."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype) if RANK == 0 else None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)   # the checkpoint's eos ids (HFEngine)
+    except OSError:
+        pass
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = shard(model, param_dtype)
+    model.to_empty(device=device)
+    set_model_state_dict(model, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    bufs = all_gather_obj({n: b.cpu() for n, b in full.named_buffers()} if full is not None else None)[0]
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(bufs[n])
+    del full
+    return model
+
+
+def unsharded_copy(model, dtype: torch.dtype, device):
+    """A plain (unsharded) copy of a possibly FSDP2-sharded Hugging Face model, in `dtype` on `device`: built
+    from its config on the meta device, then filled one gathered parameter at a time (`copy_params`) and
+    given the same buffers. A collective when `model` is sharded."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        out = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    out.generation_config = model.generation_config
+    out.to_empty(device=device)
+    out.tie_weights()                     # to_empty gives a tied head a parameter of its own: tie it again
+    copy_params(out, model)
+    src = dict(model.named_buffers())
+    with torch.no_grad():
+        for n, b in out.named_buffers():
+            b.copy_(src[n])
+    return out
 
 
 @torch.no_grad()

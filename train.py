@@ -393,9 +393,10 @@ def resolve_model(args: Args) -> str:
     return convert(args.cache_dir)
 
 
-def load_model_and_tokenizer(args: Args, run_dir: Path, texts_fn, model_path: str = ""):
+def load_model_and_tokenizer(args: Args, run_dir: Path, texts_fn, model_path: str = "", device="cpu"):
     """tiny: the run's tokenizer (trained on `texts_fn()` the first time) and a model from a config;
-    else the checkpoint's tokenizer and weights (`model_path`: `resolve_model(args)`)."""
+    else the checkpoint's tokenizer and weights (`model_path`: `resolve_model(args)`), sharded on `device`
+    as they load when there is a process group (`distributed.load_sharded`)."""
     from transformers import AutoModelForCausalLM
     if args.model == "tiny":
         tok_dir = run_dir / "tokenizer"
@@ -410,8 +411,12 @@ def load_model_and_tokenizer(args: Args, run_dir: Path, texts_fn, model_path: st
     else:
         tok = load_tokenizer(model_path or args.model)
         # fp32 master weights on every path: AdamW at lr 1e-6 changed ~2% of bf16 weights a step (the
-        # rest rounded away); bf16 compute is FSDP2's mixed precision (`shard`, `compute_dtype`)
-        model = AutoModelForCausalLM.from_pretrained(model_path or args.model, dtype=torch.float32)
+        # rest rounded away); bf16 compute is FSDP2's mixed precision (`shard`, `compute_dtype`). Under a
+        # process group the model is sharded as it loads (only rank 0 reads it whole, into host memory).
+        if dist.is_initialized():
+            model = D.load_sharded(model_path or args.model, torch.float32, device, compute_dtype(args), args.grad_ckpt)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path or args.model, dtype=torch.float32)
     return model, tok
 
 
@@ -1142,7 +1147,7 @@ def build_policy(run: Run):
     a = run.args
     run.model_path = resolve_model(a)
     run.model, run.tok = load_model_and_tokenizer(a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool),
-                                                  run.model_path)
+                                                  run.model_path, run.device)
     if not a.skill_max_tokens:            # [ours] room for the longest skill parse_skill accepts
         a.skill_max_tokens = skill_token_budget(lambda t: run.tok.encode(t, add_special_tokens=False), a.skill_max_words)
     run.summary["config"] = dataclasses.asdict(a)
@@ -1150,9 +1155,12 @@ def build_policy(run: Run):
         "  " + "  ".join(f"--{k} {v}" for k, v in chunk) for chunk in _chunks(list(dataclasses.asdict(a).items()), 6)))
     if D.RANK == 0:
         (run.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(a), indent=1))
-    if a.grad_ckpt:                       # recompute each decoder block in backward (non-reentrant: fine under FSDP2)
+    from torch.distributed.fsdp import FSDPModule
+    sharded = isinstance(run.model, FSDPModule)   # a real model under a process group: sharded as it loaded
+    if a.grad_ckpt and not sharded:       # recompute each decoder block in backward (non-reentrant: fine under FSDP2)
         run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    run.model.to(run.device)
+    if not sharded:
+        run.model.to(run.device)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
               max_prompt_tokens=a.max_prompt_tokens, stop_texts=list(run.pool.stop_texts))
     if a.engine == "vllm":                # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores π_old
@@ -1160,7 +1168,11 @@ def build_policy(run: Run):
                                 seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization,
                                 sleep_level=a.vllm_sleep_level, **kw)
     else:
-        run.rollout_model = copy.deepcopy(run.model).eval()
+        if sharded:                       # one gathered tensor at a time into a plain copy
+            run.rollout_model = D.unsharded_copy(run.model, torch.bfloat16 if run.device.type == "cuda" else
+                                                 torch.float32, run.device).eval()
+        else:
+            run.rollout_model = copy.deepcopy(run.model).eval()
         if run.device.type == "cuda":
             run.rollout_model.to(torch.bfloat16)
         for p in run.rollout_model.parameters():
@@ -1239,7 +1251,7 @@ def reference(run: Run, resumed: bool):
     warm = run.run_dir / "warm_start"
     if run.device.type == "cuda" and dist.is_initialized() and a.model != "tiny":
         src = warm if (warm / "config.json").exists() else run.model_path
-        ref = shard(AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(run.device)).eval()
+        ref = D.load_sharded(str(src), torch.bfloat16, run.device).eval()   # sharded as it loads
     else:
         ref = copy.deepcopy(run.rollout_model).eval()
         if resumed and (warm / "config.json").exists():   # the rollout copy holds the initial weights

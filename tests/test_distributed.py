@@ -92,3 +92,66 @@ def test_vllm_on_a_machine_without_a_usable_gpu_says_why():
         T.parse_args(["--engine", "vllm", "--model", "Qwen/Qwen2.5-7B-Instruct"])
     why = D.why_no_gpu(torch.version.cuda, D.nvidia_driver())
     assert str(e.value).startswith("error: --engine") and why in str(e.value), str(e.value)
+
+
+SHARDED_LOAD = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import distributed as D
+from transformers import AutoModelForCausalLM
+D.setup()
+calls = []
+real = AutoModelForCausalLM.from_pretrained.__func__
+AutoModelForCausalLM.from_pretrained = classmethod(lambda cls, *a, **k: calls.append(a[0]) or real(cls, *a, **k))
+model = D.load_sharded(sys.argv[2], torch.float32, torch.device("cpu"))
+full = D.full_state(model)                       # every rank: the whole model, gathered
+ref = real(AutoModelForCausalLM, sys.argv[2], dtype=torch.float32)
+want = ref.state_dict()
+copy = D.unsharded_copy(model, torch.float32, torch.device("cpu"))
+out = {"rank": D.RANK, "from_pretrained_calls": len(calls),
+       "sharded": all(hasattr(p, "to_local") for p in model.parameters()),
+       "local_numel": sum(p.to_local().numel() for p in model.parameters()),
+       "total_numel": sum(p.numel() for p in ref.parameters()),
+       "params_equal": sorted(full) == sorted(want) and all(torch.equal(full[k], want[k]) for k in want),
+       "buffers_equal": all(torch.equal(b, dict(ref.named_buffers())[n]) for n, b in model.named_buffers()),
+       "n_buffers": len(list(model.named_buffers())),
+       "copy_equal": all(torch.equal(v, want[k]) for k, v in copy.state_dict().items()),
+       "eos": model.generation_config.eos_token_id,
+       "tied": model.lm_head.weight is model.model.embed_tokens.weight and len(list(model.parameters())) == len(list(ref.parameters())),
+       "copy_tied": copy.lm_head.weight is copy.model.embed_tokens.weight}
+open(sys.argv[3] + f"/rank{D.RANK}.json", "w").write(json.dumps(out))
+D.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+def _tiny_qwen_folder(path: Path) -> Path:
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True, eos_token_id=3)
+    m = Qwen2ForCausalLM(cfg)
+    m.generation_config = GenerationConfig(eos_token_id=[3, 5])
+    m.save_pretrained(path)
+    return path
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_a_real_model_is_sharded_as_it_loads(tmp_path):
+    """2 gloo ranks: only rank 0 reads the checkpoint; each rank holds half the parameters; gathered, they are
+    the checkpoint's, the rotary buffers (no part of the state dict) too, and so is the unsharded copy."""
+    import json
+    import subprocess
+    folder = _tiny_qwen_folder(tmp_path / "m")
+    (tmp_path / "w.py").write_text(SHARDED_LOAD)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571",
+           str(tmp_path / "w.py"), str(ROOT), str(folder), str(tmp_path)]
+    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert (r0["from_pretrained_calls"], r1["from_pretrained_calls"]) == (1, 0)
+    for r in (r0, r1):
+        assert r["sharded"] and r["params_equal"] and r["buffers_equal"] and r["copy_equal"] and r["n_buffers"] >= 1
+        assert r["eos"] == [3, 5]                                  # the checkpoint's generation config
+        assert r["tied"] and r["copy_tied"]                        # one embedding matrix, as in the checkpoint
+    assert r0["local_numel"] + r1["local_numel"] == r0["total_numel"] and r1["local_numel"] < r0["total_numel"]
