@@ -248,8 +248,36 @@ def skill_facts(text: str, walkthrough: Path) -> dict[str, bool]:
             "wrong_tool": any(f" {v} " in t for k, v in tools.items() if k != g["type"] and v != target)}
 
 
+HOLD_OUT_MODES = ("teacher", "pure")
+TASK_TYPES_SHORT = tuple(TASK_TYPES.values())   # pick, look, clean, heat, cool, pick2
+
+
+def extractive_skill(actions: list[str]) -> str:
+    """[ours] A skill copied from an episode's actions (the pure held-out warm start's skill format): from the
+    first take on, each action as the episode took it, except where anything was taken from, opening and
+    closing, and moves that led only to another move or to a take. After a won heat episode it reads
+    "take mug 1; go to microwave 1; heat mug 1 with microwave 1; go to countertop 1; move mug 1 to
+    countertop 1." and so names the tool because the episode used it. '' when nothing was taken."""
+    first = next((k for k, a in enumerate(actions) if a.startswith("take ")), None)
+    if first is None:
+        return ""
+    acts = [a for a in actions[first:] if not a.startswith(("open ", "close ", "examine ", "look", "inventory", "help"))]
+    keep = []
+    for k, a in enumerate(acts):
+        if a.startswith("take "):
+            keep.append(a.split(" from ", 1)[0])
+        elif a.startswith("go to "):
+            nxt = acts[k + 1] if k + 1 < len(acts) else ""
+            if nxt and not nxt.startswith(("go to ", "take ")):
+                keep.append(a)
+        else:
+            keep.append(a)
+    return "; ".join(keep) + "."
+
+
 def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False,
-                        skill_place: bool = True) -> list[tuple[str, str]]:
+                        skill_place: bool = True, hold_out: str = "",
+                        hold_out_mode: str = "teacher") -> list[tuple[str, str]]:
     """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed).
     `gamefiles`: game files (their walkthrough.json beside them is read) or walkthrough.json paths.
 
@@ -262,11 +290,23 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
     demonstration goes there first, so the warm start learns to act on what a skill says.
     skill_place=False [ours] leaves the place out of the analyzer's success samples only (the skill
     the warm start learns to write is the workflow alone); the skill-conditioned turns are unchanged.
+
+    hold_out [ours]: a short task type (heat) whose procedure the warm start does not teach.
+    hold_out_mode "teacher": its games give no skill-free acting turn, but their skill-conditioned turns
+    and analyzer samples stay (the model can follow and write a skill of the type, not act it unprompted);
+    "pure": its games give no sample at all, and every skill, written or followed, is `extractive_skill`
+    of the walkthrough (no rule-written workflow that would name the held-out type's tool).
     """
+    if hold_out_mode not in HOLD_OUT_MODES:
+        raise ValueError(f"hold_out_mode must be one of {HOLD_OUT_MODES}, got {hold_out_mode!r}")
+    pure = bool(hold_out) and hold_out_mode == "pure"
     out = []
     for g in gamefiles:
         wt = Path(g) if Path(g).name == "walkthrough.json" else Path(g).with_name("walkthrough.json")
         if not wt.exists():
+            continue
+        held = bool(hold_out) and game_truth(wt)["type"] == hold_out
+        if held and pure:
             continue
         d = json.loads(wt.read_text())
         task = task_from_intro(d["steps"][0]["obs"])   # the env's own task sentence (with its period)
@@ -274,10 +314,15 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
         skill = None
         if skills:
             skill, fail = game_rule_skills(wt)
-            written = skill if skill_place else game_rule_skills(wt, with_place=False)[0]
+            if pure:
+                skill = extractive_skill([a for _, a in steps])
+            written = skill if skill_place or pure else game_rule_skills(wt, with_place=False)[0]
             out.append((analyzer_prompt(task, True, steps), json.dumps({"skill": written})))
             out.append((analyzer_prompt(task, False, steps[:len(steps) // 2]), json.dumps({"skill": fail})))
-        out += _acting_samples(task, d["steps"], history_len, skill if "informed" not in d else None)
+        acting = _acting_samples(task, d["steps"], history_len, skill if "informed" not in d else None)
+        if held:                          # teacher-knows: only the turns with the skill in the prompt
+            acting = acting[1::2] if skill and "informed" not in d else []
+        out += acting
         if skill and "informed" in d:   # the skill names the place and the informed expert goes there
             out += [(insert_skill(p, skill, TASK_PREFIX + task), r)
                     for p, r in _acting_samples(task, d["informed"], history_len)]
@@ -338,14 +383,16 @@ def search_samples(records: list[dict], retriever, args, skills: bool = False) -
     return out
 
 
-def warm_start_pairs(args, data, pool, skills: bool, skill_place: bool = True) -> list[tuple[str, str]]:
+def warm_start_pairs(args, data, pool, skills: bool, skill_place: bool = True, hold_out: str = "",
+                     hold_out_mode: str = "teacher") -> list[tuple[str, str]]:
     """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations.
-    `skill_place` is passed to `walkthrough_samples` (ALFWorld only; search ignores it)."""
+    `skill_place`, `hold_out`, `hold_out_mode` are passed to `walkthrough_samples` (ALFWorld only)."""
     if args.env == "search":
         return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
     extra = sorted(str(p) for p in Path(args.sft_walkthroughs).glob("json_2.1.1/*/*/*/walkthrough.json")) \
         if args.sft_walkthroughs and not args.sft_data else []
-    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills, skill_place=skill_place)
+    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills, skill_place=skill_place,
+                               hold_out=hold_out, hold_out_mode=hold_out_mode)
 
 
 def tokenizer_texts(args, data, pool) -> list[str]:

@@ -166,6 +166,10 @@ class Args:
                                 "for the warm start, besides the RL games' own ('' = none)")
     sft_skill_place: bool = arg(True, "[ours] tiny preset, ALFWorld: the warm start's skill-writing samples name where "
                                 "the walkthrough took the object (false: the workflow alone; acting samples unchanged)")
+    sft_hold_out: str = arg("", "[ours] tiny preset, ALFWorld: a task type (e.g. heat) whose procedure the warm start "
+                            "does not teach, for RL to find ('' = none; METHOD.md §4)")
+    sft_hold_out_mode: str = arg("teacher", "[ours] with --sft_hold_out: teacher (the type's skill-conditioned turns and "
+                                 "skill-writing samples stay) | pure (no sample of the type; skills are copied actions)")
     sft_steps: int = arg(1200, "SFT optimizer steps (0 = skip)")
     sft_lr: float = arg(5e-6, "SFT learning rate (SEED: 5e-6)")
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
@@ -224,6 +228,12 @@ class Args:
         if self.dtype == "bfloat16" and not torch.cuda.is_available():
             bad("dtype", "bfloat16 is FSDP2 mixed precision on GPU, and torch sees none: "
                 f"{D.why_no_gpu(torch.version.cuda, D.nvidia_driver())}. On CPU use auto or float32")
+        if self.sft_hold_out and (self.sft_hold_out not in cpu_preset.TASK_TYPES_SHORT or self.model != "tiny"
+                                  or self.env != "alfworld"):
+            bad("sft_hold_out", f"must be one of {', '.join(cpu_preset.TASK_TYPES_SHORT)}, with --model tiny and "
+                f"--env alfworld (the tiny preset's warm start), got {self.sft_hold_out!r}")
+        if self.sft_hold_out_mode not in cpu_preset.HOLD_OUT_MODES:
+            bad("sft_hold_out_mode", f"must be one of {', '.join(cpu_preset.HOLD_OUT_MODES)}, got {self.sft_hold_out_mode!r}")
         if self.dist_timeout <= 0:
             bad("dist_timeout", f"must be > 0 minutes, got {self.dist_timeout}")
         if self.env not in ("alfworld", "search"):
@@ -1133,6 +1143,10 @@ def setup(args: Args) -> Run:
     if args.engine == "vllm" and not dist.is_initialized():
         raise SystemExit("error: --engine vllm needs a GPU process group (torchrun, or one CUDA GPU)")
     data = env_data(args, None if args.task_types == "all" else args.task_types.split(","))
+    if args.sft_hold_out and args.sft_hold_out not in data.train_types:
+        raise SystemExit(f"error: --sft_hold_out {args.sft_hold_out}: the {args.train_split} split of {args.data_root} "
+                         f"has no game of that type (it has {', '.join(sorted(set(data.train_types)))}), so RL could "
+                         "not find its procedure")
     eval_games = round_robin_by_type(data.eval, data.task_type)[:args.eval_games] if args.eval_games else data.eval
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={D.WORLD} device={device} train tasks="
@@ -1218,7 +1232,8 @@ def warm_start(run: Run):
     """SFT on --sft_data (or the tiny preset's walkthroughs), saved as warm_start/; the start's evaluation."""
     a = run.args
     pairs = load_sft_jsonl(a.sft_data) if a.sft_data else (
-        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills, skill_place=a.sft_skill_place)
+        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills, skill_place=a.sft_skill_place,
+                                    hold_out=a.sft_hold_out, hold_out_mode=a.sft_hold_out_mode)
         if a.model == "tiny" else [])
     if pairs and a.sft_steps:
         t0 = time.time()

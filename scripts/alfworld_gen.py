@@ -472,14 +472,24 @@ def scenes_for(split: str) -> list[int]:
     return sorted(C.TEST_SCENE_NUMBERS if split == "valid_unseen" else C.TRAIN_SCENE_NUMBERS)
 
 
+def long_types(spec: str) -> tuple[str, ...]:
+    """'all' or a comma list of short (heat) or long (pick_heat_then_place_in_recep) task type names → long names."""
+    short = dict(zip(("pick", "look", "clean", "heat", "cool", "pick2"), TASK_TYPES))
+    return tuple(TASK_TYPES) if spec == "all" else tuple(short.get(t, t) for t in spec.split(","))
+
+
 def generate_split(out: Path, split: str, n: int, room: str, seed: int, verbose: bool = True,
-                   with_game: bool = True, max_steps: int = 80, informed: bool = False) -> list[Path]:
-    """Generate n engine-verified games for `split`, cycling through the six task types
-    (with_game=False: only traj_data.json and walkthrough.json, the warm-start data of the tiny preset).
+                   with_game: bool = True, max_steps: int = 80, informed: bool = False,
+                   types: tuple[str, ...] = tuple(TASK_TYPES)) -> list[Path]:
+    """Generate n engine-verified games for `split`, cycling through `types` (default the six task types;
+    with_game=False: only traj_data.json and walkthrough.json, the warm-start data of the tiny preset).
     A game is kept only if the expert wins it within `max_steps` actions. informed=True [ours] also plays
     the informed expert (told where the object is) and stores its trace in walkthrough.json."""
     if room not in ROOM_SIZES:
         raise ValueError(f"--room must be one of {sorted(ROOM_SIZES)}, got {room!r}")
+    bad = [t for t in types if t not in TASK_TYPES]
+    if bad or not types:
+        raise ValueError(f"--types must name some of {', '.join(TASK_TYPES)}, got {','.join(types) or 'none'}")
     split_seed = {"train": 0, "valid_seen": 1, "valid_unseen": 2}[split]
     rng = random.Random(seed * 1000 + split_seed)
     split_dir = out / "json_2.1.1" / split
@@ -495,7 +505,7 @@ def generate_split(out: Path, split: str, n: int, room: str, seed: int, verbose:
         tries += 1
         if tries > 20 * n + 100:
             raise RuntimeError(f"could not generate {n} games for {split} ({len(paths)} made)")
-        task_type = TASK_TYPES[i % len(TASK_TYPES)]
+        task_type = types[i % len(types)]
         game_seed = rng.randrange(2**31)
         g_rng = random.Random(game_seed)
         scene = scenes[g_rng.choice(sorted(scenes))]
@@ -567,6 +577,9 @@ def main(argv=None):
     p.add_argument("--informed", action="store_true",
                    help="[ours] also store the informed expert's trace (it is told where the object is): the "
                         "tiny warm start pairs it with the skill that names that place")
+    p.add_argument("--types", default="all",
+                   help="comma list of the task types to generate in turn, short (pick,look,clean,heat,cool,pick2) "
+                        "or long names (default: all six)")
     a = p.parse_args(argv)
     if a.verify:
         sys.exit(0 if not verify(a.out)["failed"] else 1)
@@ -577,8 +590,11 @@ def main(argv=None):
         if n < 0:
             p.error(f"--{split} must be >= 0")
         if n:
-            generate_split(Path(a.out), split, n, a.room, a.seed, with_game=not a.walkthroughs_only,
-                           max_steps=a.max_steps, informed=a.informed)
+            try:
+                generate_split(Path(a.out), split, n, a.room, a.seed, with_game=not a.walkthroughs_only,
+                               max_steps=a.max_steps, informed=a.informed, types=long_types(a.types))
+            except ValueError as e:
+                p.error(str(e))
 
 
 if __name__ == "__main__":

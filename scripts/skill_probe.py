@@ -77,6 +77,7 @@ def main(argv=None):
     p.add_argument("--constrained", type=lambda s: {"true": True, "false": False}[s.lower()], default=None,
                    help="decode only admissible actions (default: train.py's: on for a tiny-preset model only)")
     p.add_argument("--bank", default="", help="a run's skill_bank.json (adds the 'bank' condition)")
+    p.add_argument("--types", default="all", help="comma list of task types to probe (pick,look,clean,heat,cool,pick2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default="", help="write the results as JSON here")
@@ -95,6 +96,12 @@ def main(argv=None):
 
     split = list_games(a.data_root, a.split)
     types = {g: game_task_type(g) for g in split}
+    if a.types != "all":
+        want = set(a.types.split(","))
+        split = [g for g in split if types[g] in want]
+        if not split:
+            raise SystemExit(f"error: --types {a.types}: no game of those types in {a.data_root} {a.split} "
+                             f"(it has {', '.join(sorted(set(types.values())))})")
     split = rollout.round_robin_by_type(split, types)   # the order of train.py's --eval_games evaluation
     games = split[:a.games] if a.games else split
     rule = lambda g, **kw: cpu_preset.game_rule_skills(Path(g).with_name("walkthrough.json"), **kw)[0]   # noqa: E731
@@ -141,6 +148,21 @@ def main(argv=None):
     finally:
         pool.close()
 
+    # the skills the policy writes itself after its won 'none' episodes (the analyzer prompt, T 1), against
+    # their games' truth: valid, and naming the object, the target, the tool of the type
+    from skills import analyzer_prompt, parse_skill
+    won = [e for e in eps_none if e.won]
+    gens = engine.generate([analyzer_prompt(e.task, True, e.steps) for e in won], temperature=1.0,
+                           max_new_tokens=cpu_preset.TINY_DEFAULTS["skill_max_tokens"] if cpu_preset.is_tiny(a.model)
+                           else 256, stop=False) if won else []
+    texts = [parse_skill(g.text) for g in gens]
+    fs = [cpu_preset.skill_facts(t, Path(e.task_id).with_name("walkthrough.json")) for t, e in zip(texts, won) if t]
+    written = {"won_episodes": len(won), "valid": sum(t is not None for t in texts),
+               **{k: (sum(f[k] for f in fs) / len(fs) if fs else float("nan")) for k in ("object", "target", "tool", "place")},
+               "examples": [t for t in texts if t][:3]}
+    print(f"skills written after {len(won)} won episodes: {written['valid']} valid; naming the tool "
+          f"{100 * written['tool']:.0f}%, the object {100 * written['object']:.0f}%, the place {100 * written['place']:.0f}%")
+
     # the teacher's view of the student's own turns (no skill in the student's prompt)
     student, teacher = [], []
     for e in eps_none:
@@ -169,7 +191,8 @@ def main(argv=None):
           f"{100 * gap['turn_share_teacher_higher']:.0f}% of {gap['turns']} turns")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap, "bank_facts": facts}, indent=1))
+        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap,
+                                           "bank_facts": facts, "written": written}, indent=1))
         print(f"saved {a.out}")
 
 

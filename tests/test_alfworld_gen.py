@@ -68,6 +68,18 @@ def test_loads_with_alfworlds_own_collector(tmp_path):
     assert env.num_games == 2
 
 
+def test_one_task_type_only(tmp_path):
+    assert G.long_types("heat,pick2") == ("pick_heat_then_place_in_recep", "pick_two_obj_and_place")
+    paths = G.generate_split(tmp_path, "valid_unseen", 2, "small", seed=7, verbose=False, types=G.long_types("heat"))
+    assert [json.loads((p.parent / "traj_data.json").read_text())["task_type"] for p in paths] == \
+        ["pick_heat_then_place_in_recep"] * 2
+    with pytest.raises(ValueError, match="--types"):
+        G.generate_split(tmp_path, "train", 1, "small", seed=0, verbose=False, types=("boil",))
+    with pytest.raises(SystemExit):                  # the command line names the flag
+        G.main(["--out", str(tmp_path / "x"), "--train", "1", "--valid_seen", "0", "--valid_unseen", "0",
+                "--types", "boil"])
+
+
 def test_bad_room_and_missing_root(tmp_path):
     with pytest.raises(ValueError, match="room"):
         G.generate_split(tmp_path, "train", 1, "huge", seed=0, verbose=False)

@@ -124,3 +124,58 @@ def test_skill_place_false_changes_only_the_written_skill():
     assert [x for i, x in enumerate(workflow) if i != won] == [x for i, x in enumerate(with_place) if i != won]
     # skill-conditioned acting turns still carry the place-naming skill
     assert any(f"was at {place}" in p for p, r in workflow if r.startswith("<think>"))
+
+
+def test_extractive_skill_copies_the_actions_from_the_first_take_without_places():
+    heat = ["go to cabinet 1", "open cabinet 1", "take mug 1 from cabinet 1", "go to microwave 1",
+            "heat mug 1 with microwave 1", "go to countertop 1", "move mug 1 to countertop 1"]
+    assert cpu_preset.extractive_skill(heat) == ("take mug 1; go to microwave 1; heat mug 1 with microwave 1; "
+                                                 "go to countertop 1; move mug 1 to countertop 1.")
+    # pick2: the second search's moves and the second take's place are left out
+    pick2 = ["go to shelf 1", "take cd 1 from shelf 1", "go to safe 1", "open safe 1", "move cd 1 to safe 1",
+             "go to desk 1", "go to drawer 2", "open drawer 2", "take cd 2 from drawer 2", "go to safe 1",
+             "move cd 2 to safe 1"]
+    assert cpu_preset.extractive_skill(pick2) == ("take cd 1; go to safe 1; move cd 1 to safe 1; take cd 2; "
+                                                  "go to safe 1; move cd 2 to safe 1.")
+    assert cpu_preset.extractive_skill(["go to desk 1", "open drawer 1"]) == ""
+
+
+def _games_of(kind: str) -> list[str]:
+    from env_backends import game_task_type, list_games
+    return [g for g in list_games(str(ROOT / "data" / "alfworld"), "train") if game_task_type(g) == kind][:3]
+
+
+def test_hold_out_teacher_keeps_only_the_skill_conditioned_turns_of_the_held_out_type():
+    from skills import SKILL_PREFIX
+    heat, cool = _games_of("heat"), _games_of("cool")
+    full = cpu_preset.walkthrough_samples(heat, 2, skills=True)
+    held = cpu_preset.walkthrough_samples(heat, 2, skills=True, hold_out="heat")
+    acting = [p for p, r in full if r.startswith("<think>")]
+    assert acting and [p for p, r in held if r.startswith("<think>")] == [p for p in acting if SKILL_PREFIX in p]
+    assert [s for s in full if s[1].startswith("{")] == [s for s in held if s[1].startswith("{")]   # skills stay
+    assert cpu_preset.walkthrough_samples(cool, 2, skills=True, hold_out="heat") == \
+        cpu_preset.walkthrough_samples(cool, 2, skills=True)                      # other types unchanged
+    assert cpu_preset.walkthrough_samples(heat, 2, skills=False, hold_out="heat") == []   # GRPO's: nothing of it
+
+
+def test_hold_out_pure_drops_the_type_and_writes_extractive_skills():
+    heat, cool = _games_of("heat"), _games_of("cool")
+    assert cpu_preset.walkthrough_samples(heat, 2, skills=True, hold_out="heat", hold_out_mode="pure") == []
+    pure = cpu_preset.walkthrough_samples(cool, 2, skills=True, hold_out="heat", hold_out_mode="pure")
+    written = [json.loads(r)["skill"] for p, r in pure if r.startswith("{")][::2]   # per game: success, then failure
+    assert written and all(" with fridge " in w and " from " not in w for w in written), written
+    assert not any("heat" in r for p, r in pure)                                  # no response heats anything
+    with pytest.raises(ValueError, match="hold_out_mode"):
+        cpu_preset.walkthrough_samples(cool, 2, skills=True, hold_out="heat", hold_out_mode="both")
+
+
+def test_hold_out_flag_is_checked_before_any_compute(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["--sft_hold_out", "boil"])
+    assert "--sft_hold_out" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["--sft_hold_out", "heat", "--sft_hold_out_mode", "both"])
+    assert "--sft_hold_out_mode" in str(e.value)
+    with pytest.raises(SystemExit) as e:           # a split without the type: RL could not find it
+        T.main(["--sft_hold_out", "heat", "--task_types", "pick,cool", "--out_dir", str(tmp_path)])
+    assert "--sft_hold_out heat" in str(e.value) and "has no game of that type" in str(e.value)

@@ -55,6 +55,28 @@ def test_skill_probe_runs_every_condition(tmp_path):
     assert g["mean_abs_per_token"] > 0   # the skill changes the prompt, so an untrained model's scores move
 
 
+def test_skill_probe_on_one_task_type(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import pytest
+    import skill_probe
+    games = list_games(str(DATA), "train")[:6]
+    pairs = cpu_preset.walkthrough_samples(games, 2, skills=True)
+    tok = cpu_preset.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
+    torch.manual_seed(0)
+    cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    out = tmp_path / "probe.json"
+    skill_probe.main(["--model", str(tmp_path / "m"), "--types", "heat", "--games", "2", "--repeats", "1",
+                      "--max_turns", "2", "--workers", "1", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert list(r["success"]) == ["none", "oracle", "generic"]        # no other type to draw a wrong skill from
+    assert all(set(c) == {"all", "heat"} for c in r["success"].values())
+    assert r["written"]["won_episodes"] == round(r["success"]["none"]["all"] * 2)
+    with pytest.raises(SystemExit) as e:
+        skill_probe.main(["--model", str(tmp_path / "m"), "--types", "boil", "--games", "2"])
+    assert "--types boil" in str(e.value)
+
+
 def test_skill_facts_against_the_games_truth(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     import skill_probe
