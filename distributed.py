@@ -88,10 +88,16 @@ def nvidia_driver(path: str = "/proc/driver/nvidia/version") -> Optional[str]:
     return m.group(1) if m else "unknown"
 
 
-def why_no_gpu(torch_cuda: Optional[str], driver: Optional[str]) -> str:
+_HERE = object()   # why_no_gpu's default: this machine's torch build and driver
+
+
+def why_no_gpu(torch_cuda=_HERE, driver=_HERE) -> str:
     """Why torch sees no CUDA GPU, in words: a CPU build of torch, no NVIDIA driver, or a driver older than
     the CUDA that torch was built for (torch 2.13 from the package index is built for CUDA 13, which needs
-    driver 580 or newer; R535-R570 drivers see no GPU through it)."""
+    driver 580 or newer; R535-R570 drivers see no GPU through it). By default about this machine
+    (`torch.version.cuda`, `nvidia_driver()`)."""
+    torch_cuda = torch.version.cuda if torch_cuda is _HERE else torch_cuda
+    driver = nvidia_driver() if driver is _HERE else driver
     if torch_cuda is None:
         return (f"this torch ({torch.__version__}) is a CPU build; install the CUDA build of torch==2.13.0 "
                 "(on a GPU machine `pip install torch==2.13.0` from the package index is built for CUDA 13)")
@@ -181,10 +187,7 @@ def load_sharded(path: str, dtype: torch.dtype, device, param_dtype: Optional[to
     model.to_empty(device=device)
     set_model_state_dict(model, full.state_dict() if full is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    bufs = all_gather_obj({n: b.cpu() for n, b in full.named_buffers()} if full is not None else None)[0]
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            b.copy_(bufs[n])
+    copy_buffers(model, all_gather_obj(dict(full.named_buffers()) if full is not None else None)[0])
     del full
     return model
 
@@ -200,11 +203,16 @@ def unsharded_copy(model, dtype: torch.dtype, device):
     out.to_empty(device=device)
     out.tie_weights()                     # to_empty gives a tied head a parameter of its own: tie it again
     copy_params(out, model)
-    src = dict(model.named_buffers())
-    with torch.no_grad():
-        for n, b in out.named_buffers():
-            b.copy_(src[n])
+    copy_buffers(out, dict(model.named_buffers()))
     return out
+
+
+@torch.no_grad()
+def copy_buffers(dst, src: dict):
+    """dst's buffers := the tensors of the same names in `src` (the ones no state dict carries, e.g. rotary
+    frequencies, which a model built on the meta device lacks)."""
+    for n, b in dst.named_buffers():
+        b.copy_(src[n])
 
 
 @torch.no_grad()

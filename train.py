@@ -227,7 +227,7 @@ class Args:
                 "local path")
         if self.dtype == "bfloat16" and not torch.cuda.is_available():
             bad("dtype", "bfloat16 is FSDP2 mixed precision on GPU, and torch sees none: "
-                f"{D.why_no_gpu(torch.version.cuda, D.nvidia_driver())}. On CPU use auto or float32")
+                f"{D.why_no_gpu()}. On CPU use auto or float32")
         if self.sft_hold_out and (self.sft_hold_out not in cpu_preset.TASK_TYPES_SHORT or self.model != "tiny"
                                   or self.env != "alfworld"):
             bad("sft_hold_out", f"must be one of {', '.join(cpu_preset.TASK_TYPES_SHORT)}, with --model tiny and "
@@ -248,7 +248,7 @@ class Args:
             bad("engine", f"must be hf or vllm, got {self.engine!r}")
         if self.engine == "vllm" and not torch.cuda.is_available():
             bad("engine", "vllm needs CUDA GPUs (and pip install -r requirements-gpu.txt), and torch sees none: "
-                f"{D.why_no_gpu(torch.version.cuda, D.nvidia_driver())}. On CPU use --engine hf")
+                f"{D.why_no_gpu()}. On CPU use --engine hf")
         if self.engine == "vllm" and self.model == "tiny":
             bad("engine", "vllm loads a checkpoint: give --model an HF name or path (the tiny preset is CPU-only)")
         if self.engine == "vllm" and self.constrained:
@@ -289,7 +289,7 @@ GIGPO_DEFAULTS = {"step_adv": 1.0}
 
 # [ours] A real model on a GPU: micro-batches of at most 8,192 padded tokens, activation checkpointing.
 # Chosen from the memory plan (scripts/memory_plan.py, its table in recipes/README.md): with them
-# Qwen2.5-7B on 8 × 80 GB peaks near 45 GiB a GPU (the rollout phase, vLLM awake); with the count-based
+# Qwen2.5-7B on 8 × 80 GB peaks near 44 GiB a GPU (the rollout phase, vLLM awake); with the count-based
 # --micro_batch 32 and no checkpointing, one micro-batch's activations alone are hundreds of GiB.
 GPU_DEFAULTS = {"micro_tokens": 8192, "grad_ckpt": True}
 
@@ -754,7 +754,7 @@ class Preempted(Exception):
 class Preemption:
     """[ours] SIGTERM, a scheduler's notice before it kills the job, stops the run with at most one step lost.
     The handler only records the signal; the ranks agree on it with `requested()`, a collective that every
-    rank calls at the same points: between the step's sections, at a step's end and before the first step.
+    rank calls at the same points: before the first step, between a step's sections and at its end.
     Seen before the update, the step is abandoned (`Preempted`; the loop restores the state the step began
     with, so a resumed run redoes it exactly); seen later, the step finishes. Then a checkpoint of the steps
     done is written and the run exits with 143 (128 + SIGTERM), so that the same command resumes.
@@ -1129,7 +1129,7 @@ def setup(args: Args) -> Run:
     D.setup(args.dist_timeout)
     if not torch.cuda.is_available() and D.nvidia_driver() is not None and not is_tiny(args.model):
         print0(f"warning: an NVIDIA driver is loaded but torch sees no GPU, so this runs on the CPU: "
-               f"{D.why_no_gpu(torch.version.cuda, D.nvidia_driver())}")
+               f"{D.why_no_gpu()}")
     torch.set_num_threads(D.cpu_threads(D.WORLD))
     random.seed(args.seed + D.RANK)
     np.random.seed(args.seed + D.RANK)
@@ -1359,10 +1359,10 @@ def main(argv=None) -> dict:
         build_policy(run)
         begin(run)
         from tqdm import tqdm
+        if run.preempt.requested():       # seen during the warm start
+            stop_preempted(run, run.start)
         for step in tqdm(range(run.start, run.args.steps), desc="rl", disable=D.RANK != 0, initial=run.start,
                          total=run.args.steps):
-            if run.preempt.requested():   # seen during the warm start, or after the last step's end check
-                stop_preempted(run, step)
             snap = snapshot(run)
             try:
                 stop = rl_step(run, step)

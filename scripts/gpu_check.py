@@ -49,15 +49,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
 
-# Qwen2.5 shapes (config.json of the released checkpoints): hidden, blocks, heads, KV heads, MLP width, tied head
+# The built model's shapes: hidden, blocks, heads, KV heads, MLP width, tied head; the Qwen2.5 ones from the
+# memory plan's table of the released configs (scripts/memory_plan.py), and `tiny` for a CPU run
+from memory_plan import QWEN25  # noqa: E402
 SIZES = {"tiny": (64, 2, 2, 1, 128, True),
-         "0.5b": (896, 24, 14, 2, 4864, True),
-         "1.5b": (1536, 28, 12, 2, 8960, True),
-         "3b": (2048, 36, 16, 2, 11008, True),
-         "7b": (3584, 28, 28, 4, 18944, False)}
+         **{name.lower(): (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+                           c["intermediate_size"], c["tie_word_embeddings"]) for name, c in QWEN25.items()}}
 
 PHASES = ("rollout", "skills", "replay", "score", "update", "sync")
 

@@ -51,9 +51,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 GIB = 2 ** 30
+TABLE_SIZES = ("1.5B", "3B", "7B")   # the sizes the recipes train
 
 # Qwen2.5-Instruct configs (config.json of the released checkpoints)
 QWEN25 = {
+    "0.5B": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
     "1.5B": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
     "3B": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
@@ -123,7 +126,8 @@ def table(world: int = 8, gpu_gib: float = 80.0) -> str:
     d = train.GPU_DEFAULTS
     rows = ["| model | flags | weights+grads+Adam | reference | gathered | activations | logits | vLLM awake / asleep "
             "| rollout phase | update phase | fits 80 GB |", "|" + "---|" * 11]
-    for name, cfg in QWEN25.items():
+    for name in TABLE_SIZES:
+        cfg = QWEN25[name]
         for label, kw in ((f"defaults (`--micro_tokens {d['micro_tokens']} --grad_ckpt {str(d['grad_ckpt']).lower()}`)",
                            dict(micro_tokens=d["micro_tokens"], grad_ckpt=d["grad_ckpt"])),
                           ("`--micro_batch 32`, no checkpointing", dict(micro_tokens=32 * 2048, grad_ckpt=False))):
