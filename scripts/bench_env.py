@@ -1,4 +1,4 @@
-"""Benchmark of the ALFWorld environment (envs.py, env_backends.py): load + reset time, and env
+"""Benchmark of the ALFWorld environment (envs.py, infra/env_backends.py): load + reset time, and env
 steps per second for one in-process AlfWorldEnv and for an EnvPool of worker processes, playing
 random admissible actions (fixed seed) on the shipped games until each episode ends (win or
 max_steps).
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-import env_backends  # noqa: E402
+from infra import env_backends  # noqa: E402
 import envs  # noqa: E402
 
 

@@ -10,7 +10,7 @@ RSS once the model is loaded, so the figure is what the step itself allocates):
   step's [B, V] scores kept to read one log-prob per token (the engine before). `engine`: `rollout.HFEngine`,
   the sampled token's log-prob taken as generation goes (now).
 
-Models, no downloads: `smollm2` (SmolLM2-135M-Instruct, 49k vocabulary, cpu_preset.py) and `qwen-tiny` (a
+Models, no downloads: `smollm2` (SmolLM2-135M-Instruct, 49k vocabulary, harness/cpu_preset.py) and `qwen-tiny` (a
 1-block Qwen2, hidden 64, with Qwen's 151,936-row vocabulary: the logits dominate, as at 7B per token).
 
     python scripts/bench_memory.py --out results/bench_memory.json
@@ -41,7 +41,7 @@ def peak_mb() -> float:
 
 
 def load(name: str, cache: str):
-    import cpu_preset
+    from harness import cpu_preset
     import rollout
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     if name == "smollm2":

@@ -1,4 +1,4 @@
-"""Benchmark of search-QA retrieval (env_backends.py): latency of the in-process BM25 retriever and of the
+"""Benchmark of search-QA retrieval (infra/env_backends.py): latency of the in-process BM25 retriever and of the
 HTTP client against retrieval_server.py on loopback (the same BM25 behind it), per query, for a
 batch of queries (the questions of the shipped test split) and for single queries.
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-import env_backends  # noqa: E402
+from infra import env_backends  # noqa: E402
 import retrieval_server  # noqa: E402  (scripts/, beside this file)
 
 

@@ -109,9 +109,9 @@ def model_dims(args) -> tuple:
 def build_model(args, rank: int = 0) -> str:
     """A Qwen2 of `model_dims(args)` with random weights and a tokenizer, saved (bf16 weights) as a Hugging
     Face checkpoint in `args.work_dir`; rank 0 writes it once, the other ranks wait."""
-    import distributed
+    from infra import distributed
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    import cpu_preset
+    from harness import cpu_preset
     h, L, heads, kv, inter, tied = model_dims(args)
     kind = getattr(args, "tokenizer", "words")
     out = Path(args.work_dir) / (f"qwen2_{args.size}_{kind}" if getattr(args, "size", None)
@@ -159,13 +159,14 @@ def matmul_params(path: str) -> tuple[int, dict]:
 
 def sft_file(work_dir: Path) -> Path:
     """The search warm start with skills (cpu_preset.search_samples) as chat JSONL, written once."""
-    import cpu_preset
+    from harness import cpu_preset
+    import envs
     import train
-    from env_backends import BM25Retriever
+    from infra.env_backends import BM25Retriever
     out = work_dir / "search_sft.jsonl"
     if not out.exists():
         a = train.parse_args(["--env", "search"])
-        data = train.env_data(a, None)
+        data = envs.env_data(a, None)
         pairs = cpu_preset.search_samples([data.records[i] for i in data.train],
                                           BM25Retriever(str(ROOT / a.data_root / "corpus.jsonl")), a, skills=True)
         tmp = out.with_name(out.name + ".tmp")

@@ -169,7 +169,7 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def generate(out: str, seed: int = 0, n_train: int = 300, n_test: int = 100, top_k: int = 3) -> dict:
-    from env_backends import SEARCH_TASK_TYPES, BM25Retriever
+    from infra.env_backends import SEARCH_TASK_TYPES, BM25Retriever
     from envs import SearchEnv
     os.makedirs(out, exist_ok=True)
     world = make_world(seed)
@@ -195,7 +195,7 @@ def generate(out: str, seed: int = 0, n_train: int = 300, n_test: int = 100, top
 
 def verify_dir(out: str, top_k: int = 3) -> list[str]:
     """Re-play every shipped demonstration; returns the failures (empty: all good)."""
-    from env_backends import BM25Retriever, list_qa
+    from infra.env_backends import BM25Retriever, list_qa
     from envs import SearchEnv
     env = SearchEnv(BM25Retriever(os.path.join(out, "corpus.jsonl")), top_k=top_k, max_turns=4)
     bad = []

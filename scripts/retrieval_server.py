@@ -105,7 +105,7 @@ def serve_in_thread(server: ThreadingHTTPServer) -> threading.Thread:
 
 
 def main(argv=None) -> None:
-    from env_backends import BM25Retriever
+    from infra.env_backends import BM25Retriever
     p = argparse.ArgumentParser(description="Search-R1-protocol retrieval server over a JSONL corpus (BM25)")
     p.add_argument("--corpus", default="data/search_qa/corpus.jsonl", help="JSONL of {id, title, text}")
     p.add_argument("--host", default="127.0.0.1")

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cpu_preset  # noqa: E402
+from harness import cpu_preset  # noqa: E402
 import rollout  # noqa: E402
-from env_backends import game_task_type, list_games  # noqa: E402
+from infra.env_backends import game_task_type, list_games  # noqa: E402
 from envs import EnvPool  # noqa: E402
 from rollout import HFEngine, run_episodes  # noqa: E402
 

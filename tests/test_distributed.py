@@ -1,4 +1,4 @@
-"""The process group on GPU (distributed.setup, distributed.backend), every collective through distributed.py,
+"""The process group on GPU (distributed.setup, distributed.backend), every collective through infra/distributed.py,
 and the start-up diagnosis of a GPU that torch cannot see (distributed.why_no_gpu)."""
 import ast
 import os
@@ -10,7 +10,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import distributed as D  # noqa: E402
+from infra import distributed as D  # noqa: E402
 import train as T  # noqa: E402
 
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
@@ -59,11 +59,12 @@ def _collective_calls(path: Path) -> list[str]:
 
 def test_every_collective_goes_through_distributed_py():
     """One module decides where a collective's tensors live; the project's other files call it."""
-    files = [p for p in list(ROOT.glob("*.py")) + list((ROOT / "scripts").glob("*.py")) if p.name != "distributed.py"]
+    files = [p for d in ("", "infra", "harness", "scripts") for p in (ROOT / d).glob("*.py")
+             if p != ROOT / "infra/distributed.py"]
     assert len(files) > 10
     bad = [c for p in files for c in _collective_calls(p)]
     assert not bad, bad
-    assert _collective_calls(ROOT / "distributed.py")   # the scan does find them where they are
+    assert _collective_calls(ROOT / "infra/distributed.py")   # the scan does find them where they are
 
 
 def test_why_no_gpu_names_the_build_the_driver_and_what_to_do():
@@ -97,7 +98,7 @@ def test_vllm_on_a_machine_without_a_usable_gpu_says_why():
 SHARDED_LOAD = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-import distributed as D
+from infra import distributed as D
 from transformers import AutoModelForCausalLM
 D.setup()
 calls = []

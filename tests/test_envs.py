@@ -1,4 +1,4 @@
-"""Tests for envs.py and the ALFWorld half of env_backends.py: prompt and action parsing, game listing,
+"""Tests for envs.py and the ALFWorld half of infra/env_backends.py: prompt and action parsing, game listing,
 AlfWorldEnv on the real engine with the shipped games (data/alfworld, written by
 scripts/alfworld_gen.py), and EnvPool (lock-step, independent copies of a game, worker crash, worker
 timeout, clean shutdown). No mocks of the engine; the hung worker is a SleepyEnv (tests/env_doubles.py)
@@ -18,9 +18,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import env_backends  # noqa: E402
+from infra import env_backends  # noqa: E402
 import envs  # noqa: E402
-from env_backends import TASK_TYPES, EnvDataError, GameCache, game_task_type, list_games  # noqa: E402
+from infra.env_backends import TASK_TYPES, EnvDataError, GameCache, game_task_type, list_games  # noqa: E402
 from env_doubles import SLEEP, SleepyEnv  # noqa: E402
 from envs import MAX_ACTION_CHARS, NOTHING_HAPPENS, R_WIN, AlfWorldEnv, EnvPool, build_prompt, parse_action  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import cpu_preset  # noqa: E402
+from harness import cpu_preset  # noqa: E402
 import train as T  # noqa: E402
 import rollout as R  # noqa: E402
 import envs  # noqa: E402

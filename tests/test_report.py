@@ -1,4 +1,4 @@
-"""report.py: the one-page run report from hand-written run folders (an RSIPO run, a GRPO-like run,
+"""harness/report.py: the one-page run report from hand-written run folders (an RSIPO run, a GRPO-like run,
 broken inputs). No training: a few matplotlib figures, a few seconds."""
 import json
 import re
@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import report as R  # noqa: E402
+from harness import report as R  # noqa: E402
 
 HEADINGS = ["Learning curves", "Held-out success by task type", "RSIPO internals", "Trust check", "Skill bank",
             "Sample episodes", "Config"]

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
 import rollout as R  # noqa: E402
-import cpu_preset  # noqa: E402
-from env_backends import list_games  # noqa: E402
+from harness import cpu_preset  # noqa: E402
+from infra.env_backends import list_games  # noqa: E402
 from envs import EnvPool, parse_action  # noqa: E402
 from rollout import HFEngine, run_episodes, chat_ids, _PrefixTrie  # noqa: E402
 
@@ -112,12 +112,12 @@ def test_evaluation_uses_common_random_numbers(tiny, monkeypatch):
         return eps
 
     monkeypatch.setattr(R, "run_episodes", spy)
-    args = T.Args(eval_repeats=3, eval_temperature=1.0, history_len=2)
     with EnvPool(num_workers=1, max_steps=4) as pool:
         for seed in (1, 2):
             torch.manual_seed(seed)          # a different training-RNG state before each evaluation
             before = torch.get_rng_state()
-            out, by_game = R.evaluate(eng, pool, games, args, constrained=True)
+            out, by_game = R.evaluate(eng, pool, games, repeats=3, seed=0, history_len=2, temperature=1.0,
+                                      constrained=True)
             assert torch.equal(torch.get_rng_state(), before)   # the training RNG is untouched
             assert out["eval/episodes"] == 6
             # two games x 3 repeats: per-game means average back to the overall success

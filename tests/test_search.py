@@ -21,11 +21,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-import env_backends  # noqa: E402
+from infra import env_backends  # noqa: E402
 import envs  # noqa: E402
 import qa_gen  # noqa: E402
 import retrieval_server  # noqa: E402
-from env_backends import EnvDataError, RetrieverError, RetrieverTimeout  # noqa: E402
+from infra.env_backends import EnvDataError, RetrieverError, RetrieverTimeout  # noqa: E402
 from envs import exact_match, normalize_answer, parse_search_action, split_search_action  # noqa: E402
 from rollout import Generation, run_episodes  # noqa: E402
 
@@ -389,7 +389,8 @@ def test_evaluation_requests_carry_the_same_seeds_in_every_evaluation(bm25, qa):
     with envs.SearchPool(bm25, qa) as pool:
         for order in (games, games[::-1]):
             eng = _SeedRecorder()
-            evaluate(eng, pool, order, args, constrained=False)
+            evaluate(eng, pool, order, repeats=args.eval_repeats, seed=args.seed, history_len=args.history_len,
+                     temperature=args.eval_temperature)
             seen.append(eng.seeds)
     base = 1_000_003 * (args.seed + 1)
     want = [[request_seed(base, g, c, 0) for g in games for c in (0, 1)],
@@ -405,7 +406,7 @@ def test_evaluation_requests_carry_the_same_seeds_in_every_evaluation(bm25, qa):
 
 
 def test_hf_engine_stop_texts(tmp_path):
-    import cpu_preset
+    from harness import cpu_preset
     import train as T
     from rollout import HFEngine
     tok = cpu_preset.train_tiny_tokenizer(["a b <search> c </search> <answer> d </answer> user assistant"], cpu_preset.SEARCH_SPECIALS)
@@ -517,7 +518,7 @@ def test_generator_verification_catches_broken_demos(tmp_path, bm25, qa):
 
 
 def test_search_defaults_apply_unless_given():
-    import cpu_preset
+    from harness import cpu_preset
     import train as T
     a = T.parse_args(["--env", "search"])
     assert (a.data_root, a.eval_split, a.max_turns, a.history_len, a.p_fmt, a.r_win, a.c_kl, a.constrained) == \
@@ -571,7 +572,7 @@ def test_bm25_keeps_an_installed_jax_off_the_gpu(tmp_path):
         (tmp_path / "fake" / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "fake" / rel).write_text(text)
     log = tmp_path / "jax.log"
-    code = ("import sys; sys.path.insert(0, %r); import env_backends\n"
+    code = ("import sys; sys.path.insert(0, %r); from infra import env_backends\n"
             "r = env_backends.BM25Retriever(%r, cache=False)\n"
             "print(len(r.search(['Sorhal Corcorix', 'mayor of Eskqui'], k=2)))") % (str(ROOT), str(ROOT / "data/search_qa/corpus.jsonl"))
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}

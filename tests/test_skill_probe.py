@@ -9,8 +9,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
-import cpu_preset  # noqa: E402
-from env_backends import list_games  # noqa: E402
+from harness import cpu_preset  # noqa: E402
+from infra.env_backends import list_games  # noqa: E402
 
 DATA = ROOT / "data" / "alfworld"
 GAME = DATA / "json_2.1.1/valid_unseen/look_at_obj_in_light-BasketBall-None-DeskLamp-301/trial_small_2_00055_1059828510"

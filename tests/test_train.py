@@ -13,9 +13,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
-import distributed as D  # noqa: E402
+from infra import distributed as D  # noqa: E402
 import rollout as R  # noqa: E402
-import cpu_preset  # noqa: E402
+from harness import cpu_preset  # noqa: E402
+from harness import run as harness_run, sft as harness_sft, trust_check  # noqa: E402
 
 TINY = ["--sft_steps", "40", "--steps", "2", "--tasks_per_step", "2", "--group_size", "2",
         "--eval_games", "2", "--max_turns", "4", "--mini_batch", "8", "--micro_batch", "4",
@@ -77,10 +78,10 @@ def test_sft_jsonl_loader(tmp_path):
     p = tmp_path / "sft.jsonl"
     p.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
                  + "\n" + json.dumps({"prompt": "q2", "response": "a2"}) + "\n")
-    assert T.load_sft_jsonl(str(p)) == [("q", "a"), ("q2", "a2")]
+    assert harness_sft.load_sft_jsonl(str(p)) == [("q", "a"), ("q2", "a2")]
     p.write_text("{not json}\n")
     with pytest.raises(SystemExit, match="sft.jsonl:1"):
-        T.load_sft_jsonl(str(p))
+        harness_sft.load_sft_jsonl(str(p))
 
 
 def test_single_process_run_and_exact_resume(tmp_path):
@@ -151,9 +152,9 @@ def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
                 T.TaskRecord(g[1], "pick"),                                   # no skill: nothing to check
                 T.TaskRecord(g[2], "pick", skill="open the fridge.", replay_ok=True, posterior={"eb": 0.2, "raw": 0.1})]
         b = T.Batch([{run.pool.task_key: x} for x in g], [], [], [], recs)
-        real = T.run_episodes
-        monkeypatch.setattr(T, "run_episodes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
-        T.calibrate(run, b, step=4)
+        real = trust_check.run_episodes
+        monkeypatch.setattr(trust_check, "run_episodes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+        trust_check.calibrate(run, b, step=4)
     finally:
         T.teardown(run)
     eps = seen[0]   # tasks 0 and 2 with their skill, 2 episodes each, then the same tasks without one
@@ -231,8 +232,8 @@ def test_torchrun_two_cpu_ranks(tmp_path, algo):
 UNEVEN_UPDATE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-import cpu_preset
-import distributed as D
+from harness import cpu_preset
+from infra import distributed as D
 import train as T
 D.setup()
 args = T.Args(tiny_hidden=32, c_kl=0.01, c_ent=0.001, micro_batch=2, mini_batch=8)
@@ -325,7 +326,7 @@ def test_sft_micro_batches_give_the_whole_batch_gradient():
 
     def grads(micro_tokens):
         model.zero_grad(set_to_none=True)
-        loss = T.sft_loss_backward(model, batch, pad_id=0, device="cpu", micro_tokens=micro_tokens)
+        loss = harness_sft.sft_loss_backward(model, batch, pad_id=0, device="cpu", micro_tokens=micro_tokens)
         return loss, [p.grad.clone() for p in model.parameters()]
 
     whole, g_whole = grads(0)
@@ -349,7 +350,7 @@ def test_sft_skips_a_step_whose_gradient_is_not_finite(monkeypatch):
     model = cpu_preset.tiny_model(len(tok), args)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     pairs = [("go to the fridge", "now"), ("open", "it")]
-    real = T.sft_loss_backward
+    real = harness_sft.sft_loss_backward
     poison = {"steps": {0, 2}, "n": 0}
 
     def backward(model, batch, pad_id, device, micro_tokens):   # steps 0 and 2 get a NaN gradient
@@ -359,8 +360,8 @@ def test_sft_skips_a_step_whose_gradient_is_not_finite(monkeypatch):
         poison["n"] += 1
         return loss
 
-    monkeypatch.setattr(T, "sft_loss_backward", backward)
-    loss, skipped = T.sft(model, tok, pairs, args, "cpu")
+    monkeypatch.setattr(harness_sft, "sft_loss_backward", backward)
+    loss, skipped = harness_sft.sft(model, tok, pairs, args, "cpu")
     assert skipped == 2 and poison["n"] == 3
     after = model.state_dict()
     assert all(torch.isfinite(v).all() for v in after.values())
@@ -396,7 +397,7 @@ def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monke
     tok.save_pretrained(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = T.Args(model=str(tmp_path), dtype="auto")
-    model, _ = T.load_model_and_tokenizer(args, tmp_path, None, str(tmp_path))
+    model, _ = harness_run.load_model_and_tokenizer(args, tmp_path, None, str(tmp_path))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert T.compute_dtype(args) == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -404,19 +405,37 @@ def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monke
         T.parse_args(["--dtype", "bfloat16"])
 
 
-def test_a_turn_without_teacher_log_probs_gets_no_opsd_gradient():
-    # a turn of a trusted task (λ = 0.8) whose teacher prompt did not fit the budget has no ℓ^T: it must
-    # train exactly as with λ = 0 (before, ℓ^T := ℓ with λ = 0.8 still raised its tokens by 0.8·σ(0)·∇ℓ)
-    args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8, alpha=1.0)
+def test_score_gives_lambda_zero_to_a_turn_whose_teacher_prompt_does_not_fit(tmp_path):
+    # `score` is the one place a turn's λ is set: its task's trust where the teacher prompt fits, else 0 (no
+    # teacher log-probs). Two tasks trusted at 0.8, one with a skill far over the prompt budget.
+    run = T.setup(T.parse_args(TINY + ["--algo", "rsipo", "--sft_steps", "0", "--eval", "false", "--out_dir",
+                                       str(tmp_path), "--run_name", "sc"]))
+    try:
+        T.build_policy(run)
+        T.begin(run)
+        b = T.rollout_and_advantages(run)
+        b.skill_gens = [R.Generation("", [], [], [])] * len(b.records)
+        too_long = " ".join(["go to the shelf"] * (run.args.max_prompt_tokens // 2))
+        for rec, skill in zip(b.records, ["open the fridge.", too_long]):
+            rec.skill, rec.trust = skill, 0.8
+        samples, _ = T.score(run, b)
+    finally:
+        T.teardown(run)
+    fits, over = ([sm for sm in samples if sm.turn.group_id == k] for k in (0, 1))
+    assert fits and all(sm.teacher is not None and sm.trust == 0.8 for sm in fits)
+    assert over and all(sm.teacher is None and sm.trust == 0.0 for sm in over)
+    assert b.teacher_overflow == len(over)
 
-    def grads(trust):
-        torch.manual_seed(0)
-        model = cpu_preset.tiny_model(50, args)
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        s = T.Sample([1, 2, 3], [4, 5], 0.5, torch.full((2,), -3.0), trust=trust)   # teacher None
+
+def test_update_refuses_a_trusted_sample_without_teacher_log_probs():
+    # λ > 0 with no ℓ^T would still raise the turn's tokens by λ·σ(0)·∇ℓ through ℓ^T := ℓ: `score` never makes
+    # one, and update says so rather than train on it
+    args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8, alpha=1.0)
+    model = cpu_preset.tiny_model(50, args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    s = T.Sample([1, 2, 3], [4, 5], 0.5, torch.full((2,), -3.0), trust=0.8)   # teacher None
+    with pytest.raises(ValueError, match="no teacher log-probs"):
         T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=True)
-        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    assert all(torch.equal(a, b) for a, b in zip(grads(0.8), grads(0.0)))
 
 
 def _update_grads(samples, **kw):

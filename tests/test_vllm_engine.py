@@ -1,4 +1,4 @@
-"""VLLMEngine (rollout.py) against a fake `vllm` module, the project without vLLM, and the GPU check.
+"""VLLMEngine (harness/vllm_engine.py) against a fake `vllm` module, the project without vLLM, and the GPU check.
 
 The fake has the calls VLLMEngine makes on vllm 0.32.0 (`LLM(**kw)`, `generate(prompts, params,
 use_tqdm=)`, `sleep(level=)`, `wake_up(tags=)`, `reset_prefix_cache()`, the weight push
@@ -29,10 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
-import distributed as D  # noqa: E402
+from infra import distributed as D  # noqa: E402
 import rollout as R  # noqa: E402
-import cpu_preset  # noqa: E402
-from rollout import STOP_TEXT, VLLMEngine, chat_ids  # noqa: E402
+from harness import cpu_preset  # noqa: E402
+from harness.vllm_engine import VLLMEngine  # noqa: E402
+from rollout import STOP_TEXT, chat_ids  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -509,8 +510,9 @@ except ImportError:
 
 
 def test_every_module_imports_without_vllm():
-    mods = sorted(p.stem for p in ROOT.glob("*.py")) + sorted(p.stem for p in (ROOT / "scripts").glob("*.py"))
-    assert {"rollout", "train", "gpu_check", "vllm_cpu_smoke"} <= set(mods)
+    mods = (sorted(p.stem for p in ROOT.glob("*.py")) + sorted(p.stem for p in (ROOT / "scripts").glob("*.py"))
+            + sorted(f"{d}.{p.stem}" for d in ("infra", "harness") for p in (ROOT / d).glob("*.py")))
+    assert {"rollout", "train", "gpu_check", "vllm_cpu_smoke", "harness.vllm_engine", "infra.distributed"} <= set(mods)
     code = BLOCK_VLLM.format(root=str(ROOT), scripts=str(ROOT / "scripts"), mods=mods)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

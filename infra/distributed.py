@@ -124,6 +124,20 @@ def all_reduce(x: float | list[float], op="sum") -> np.ndarray:
     return t.numpy()
 
 
+def all_reduce_named(stats: dict[str, float], op="sum") -> dict[str, float]:
+    """`all_reduce` of named numbers: {name: the value reduced over ranks}, in one collective. Every rank
+    must pass the same names in the same order."""
+    return dict(zip(stats, (float(v) for v in all_reduce(list(stats.values()), op))))
+
+
+def all_reduce_union(stats: dict[str, float]) -> dict[str, float]:
+    """Sums over ranks of named numbers whose names may differ between ranks (a name a rank lacks counts as
+    0 there), sorted by name: the names are gathered first, because all-reducing lists of different lengths
+    aborts gloo ("Received data size doesn't match") and hangs NCCL."""
+    keys = sorted(set().union(*all_gather_obj(sorted(stats))))
+    return dict(zip(keys, (float(v) for v in all_reduce([stats.get(k, 0.0) for k in keys]))))
+
+
 def barrier():
     """Every rank waits here for the others (a no-op without a group)."""
     if dist.is_initialized():

@@ -53,6 +53,8 @@ import time
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass
 
+from infra.io import jsonl_lines, write_folder
+
 # The six official ALFWorld task types and the short names used in logs and metrics.
 TASK_TYPES: dict[str, str] = {
     "pick_and_place_simple": "pick",
@@ -424,17 +426,12 @@ def _read_jsonl(path: str, what: str) -> list[dict]:
     if not os.path.isfile(path):
         raise EnvDataError(f"{what} {path!r} does not exist")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EnvDataError(f"malformed {what} {path}:{n}: invalid JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise EnvDataError(f"malformed {what} {path}:{n}: expected a JSON object")
-            rows.append(row)
+    for n, row in jsonl_lines(path):
+        if isinstance(row, ValueError):
+            raise EnvDataError(f"malformed {what} {path}:{n}: invalid JSON ({row})")
+        if not isinstance(row, dict):
+            raise EnvDataError(f"malformed {what} {path}:{n}: expected a JSON object")
+        rows.append(row)
     if not rows:
         raise EnvDataError(f"{what} {path!r} is empty")
     return rows
@@ -607,13 +604,7 @@ class BM25Retriever:
             self.index = bm25s.BM25()
             self.index.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
             if cache:  # written to a temp folder, then renamed: a crash leaves no half index
-                tmp = f"{self.cache_dir}.tmp{os.getpid()}"
-                self.index.save(tmp, show_progress=False)
-                try:
-                    os.replace(tmp, self.cache_dir)
-                except OSError:  # another process saved it first
-                    import shutil
-                    shutil.rmtree(tmp, ignore_errors=True)
+                write_folder(self.cache_dir, lambda tmp: self.index.save(str(tmp), show_progress=False))
 
     def search(self, queries: list[str], k: int = 3) -> list[list[dict]]:
         bm25s = import_bm25s()

