@@ -22,7 +22,8 @@ Choices the paper leaves open, all **[ours]** (details in the docstring named):
 1. An empty, non-ASCII or over-200-character ALFWorld action (or None) is an invalid action that
    costs a step and never reaches the engine (`_check_action`): no admissible command looks so.
 2. `parse_action` reads the last closed <action> pair and normalises it; <think> is not checked:
-   the format penalty is about a parsable action only.
+   the format penalty is about a parsable action only. verl-agent requires <think>...</think> and takes
+   the first <action>; generation stops at the first </action>, so first and last are the same pair.
 3. Prompts put each observation on one line and number history entries with their real step
    numbers; the task (question) line stands alone, where skills.py inserts a skill (`build_prompt`).
 4. Each live episode needs its own copy of Fast Downward's library (one global state; 33 MB,
@@ -33,6 +34,10 @@ Choices the paper leaves open, all **[ours]** (details in the docstring named):
    replaced at once; a game that cannot load fails only its own episode (`EnvPool`).
 7. A search turn is valid only with exactly one <search> or <answer> pair (`split_search_action`);
    anything else is an invalid turn (the trainer charges p_fmt). Non-ASCII is valid ("Zürich").
+   Search-R1 acts on the first pair, scores the last <answer> (`qa_em.py`), and matches tags case-
+   sensitively with no length cap; ours refuses two actions in one turn (one reading for the format
+   penalty), takes <Answer>, and caps an answer at 200 characters. Generation stops at the first
+   closing tag, so a turn holds one pair and the readings agree on what models write.
 8. The search pool runs in-process (a search step takes milliseconds): one batched retrieval per
    lock-step under `timeout`; a failed one fails the episodes that searched (`SearchPool`).
 9. Each search turn is a fresh prompt (question + last turns), as for ALFWorld, where Search-R1
@@ -51,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
-from infra.env_workers import LIVE_POOLS, Worker
+from infra.env_workers import LIVE_POOLS, Worker, wait_ready
 from infra.env_backends import (BM25Retriever, EnvDataError, GameCache, HTTPRetriever, RetrieverError, RetrieverTimeout,
                                 _Game, _make_engine, call_with_timeout, game_task_type, list_games, list_qa,
                                 process_cache)
@@ -292,21 +297,7 @@ class EnvPool:
         return Worker(self._ctx, self.env_class, self.max_steps)
 
     def _wait_ready(self, workers: list[Worker]) -> None:
-        deadline = time.monotonic() + self.start_timeout
-        for w in workers:
-            left = deadline - time.monotonic()
-            if not w.conn.poll(max(left, 0)):
-                raise RuntimeError(f"env worker {w.proc.pid} did not start within {self.start_timeout}s")
-            try:
-                kind, _ = w.conn.recv()
-            except (EOFError, OSError):
-                kind = "died"
-            if kind != "ready":
-                raise RuntimeError(f"env worker {w.proc.pid} died while starting (exit code "
-                                   f"{w.proc.exitcode}, its traceback is on stderr). Workers are "
-                                   f"spawned: the main script needs an `if __name__ == '__main__':` "
-                                   f"guard")
-            w.ready = True
+        wait_ready(workers, self.start_timeout)
 
     def _restart(self, k: int) -> None:
         self._workers[k].kill()
@@ -527,10 +518,11 @@ def parse_search_action(text) -> str | None:
 
 
 def format_passages(passages: list[dict]) -> str:
-    """The observation after a search: the passages as `Doc i (Title: t) text` in <information>."""
+    """The observation after a search: the passages as Search-R1 writes them, `Doc i(Title: "t") text` a line
+    (its title is wiki-18's quoted first line of `contents`), in <information>."""
     if not passages:
         return f"<information> {NO_RESULTS} </information>"
-    docs = [f"Doc {i} (Title: {_one_line(p.get('title', ''))}) {_one_line(p.get('text', ''))}"
+    docs = [f'Doc {i}(Title: "{_one_line(p.get("title", ""))}") {_one_line(p.get("text", ""))}'
             for i, p in enumerate(passages, 1)]
     return "<information> " + "\n".join(docs) + " </information>"
 
@@ -573,7 +565,7 @@ class SearchEnv:
 
     task: a question record (`env_backends.load_qa`) or its id in `tasks`. The first observation
     is "" (nothing searched yet). Every step is one turn: a valid `<search> q </search>` returns
-    `format_passages` of the top `top_k` passages, `<information> Doc 1 (Title: t) text ...
+    `format_passages` of the top `top_k` passages, `<information> Doc 1(Title: "t") text ...
     </information>` ("No results." when no passage shares a word with q); a valid `<answer> a
     </answer>` ends the episode with reward R_EM when `exact_match` holds against any gold answer
     (`won`), else 0; an invalid turn returns INVALID_SEARCH_OBS with `invalid_action` True. After
@@ -584,7 +576,7 @@ class SearchEnv:
     """
 
     def __init__(self, retriever, tasks: dict | None = None, max_turns: int = 4, top_k: int = 3,
-                 timeout: float = 30.0):
+                 timeout: float = 1.0):
         self.retriever, self.tasks = retriever, tasks or {}
         self.max_turns, self.top_k, self.timeout = max_turns, top_k, timeout
         self.task: dict | None = None
@@ -651,10 +643,12 @@ class SearchPool:
 
     Same calls as EnvPool: reset(task_ids) (a question id may repeat: each copy is its own
     episode), step(actions) -> None for finished episodes, `stats`, close(), context manager.
-    The queries of one lock-step go to the retriever as one batch in a daemon thread under one
-    `timeout` (`call_with_timeout`, choice 8); a timeout or RetrieverError fails every episode that
-    searched in that step (done, reward 0, `error` set, counted in `stats`: errors, timeouts,
-    retriever_errors) and the run goes on; the hung thread is abandoned, never joined. An unknown
+    The queries of one lock-step go to the retriever in requests of at most `batch` queries, each in a
+    daemon thread under a budget of `timeout` seconds per query it holds (`call_with_timeout`, choice 8)
+    [ours]: a slow index (a flat E5 index without a GPU) gets time in proportion to the work, and a
+    request that times out or raises RetrieverError fails only the episodes whose queries it held (done,
+    reward 0, `error` set, counted in `stats`: errors, timeouts, retriever_errors); the run goes on, the
+    hung thread is abandoned, never joined. An unknown
     question id fails only its episode. Also carries what `rollout.run_episodes` needs from an env
     family: task_key, task_prefix, stop_texts, build_prompt, parse_action.
     """
@@ -665,11 +659,11 @@ class SearchPool:
     build_prompt = staticmethod(build_search_prompt)
     parse_action = staticmethod(parse_search_action)
 
-    def __init__(self, retriever, tasks, max_turns: int = 4, top_k: int = 3, timeout: float = 30.0):
+    def __init__(self, retriever, tasks, max_turns: int = 4, top_k: int = 3, timeout: float = 1.0, batch: int = 32):
         if not isinstance(tasks, dict):
             tasks = {t["id"]: t for t in tasks}
         self.retriever, self.tasks = retriever, tasks
-        self.max_turns, self.top_k, self.timeout = max_turns, top_k, timeout
+        self.max_turns, self.top_k, self.timeout, self.batch = max_turns, top_k, timeout, batch
         self.stats = {"errors": 0, "timeouts": 0, "retriever_errors": 0, "searches": 0}
         self.envs: list[SearchEnv] = []
         self.active: list[bool] = []
@@ -702,22 +696,22 @@ class SearchPool:
         queries = {i: self.envs[i].query_of(actions[i]) for i in live}
         asked = [i for i in live if queries[i] is not None]
         hits: dict[int, list[dict]] = {}
-        error = None
-        if asked:
-            self.stats["searches"] += len(asked)
+        errors: dict[int, str] = {}
+        self.stats["searches"] += len(asked)
+        for part in (asked[j:j + self.batch] for j in range(0, len(asked), self.batch)):
             try:
-                res = call_with_timeout(lambda: self.retriever.search([queries[i] for i in asked], self.top_k),
-                                        self.timeout)
-                if len(res) != len(asked):
-                    raise RetrieverError(f"the retriever returned {len(res)} result lists for {len(asked)} queries")
-                hits = {i: r[:self.top_k] for i, r in zip(asked, res)}
+                res = call_with_timeout(lambda part=part: self.retriever.search([queries[i] for i in part], self.top_k),
+                                        self.timeout * len(part))
+                if len(res) != len(part):
+                    raise RetrieverError(f"the retriever returned {len(res)} result lists for {len(part)} queries")
+                hits.update({i: r[:self.top_k] for i, r in zip(part, res)})
             except RetrieverError as e:
                 self.stats["timeouts" if isinstance(e, RetrieverTimeout) else "retriever_errors"] += 1
-                error = f"{type(e).__name__}: {e}"
+                errors.update({i: f"{type(e).__name__}: {e}" for i in part})
         out: list = [None] * len(actions)
         for i in live:
-            failed = error is not None and i in queries and queries[i] is not None
-            r = self.envs[i].apply(actions[i], hits.get(i), error if failed else None)
+            failed = i in errors
+            r = self.envs[i].apply(actions[i], hits.get(i), errors.get(i))
             if failed:
                 self.stats["errors"] += 1
             self.active[i] = not r[2]
@@ -768,10 +762,22 @@ def env_data(args, types) -> EnvData:
     if args.env == "search":
         tr = list_qa(args.data_root, args.train_split, types)
         ev = list_qa(args.data_root, args.eval_split, types)
+        _refuse_overlap([r["id"] for r in tr], [r["id"] for r in ev], args)
         recs = {r["id"]: r for r in tr + ev}
         return EnvData([r["id"] for r in tr], [r["id"] for r in ev], {i: r["task_type"] for i, r in recs.items()}, recs)
     tr, ev = list_games(args.data_root, args.train_split, types), list_games(args.data_root, args.eval_split, types)
+    _refuse_overlap(tr, ev, args)
     return EnvData(tr, ev, {g: game_task_type(g) for g in tr + ev})
+
+
+def _refuse_overlap(train: list[str], held_out: list[str], args):
+    """A task id in both splits would train on a held-out task (and, for search, one id would name two
+    questions): refused, naming a few."""
+    both = sorted(set(train) & set(held_out))
+    if both and args.train_split != args.eval_split:
+        raise EnvDataError(f"{len(both)} task ids are in both --train_split {args.train_split} and --eval_split "
+                           f"{args.eval_split} of {args.data_root}, e.g. {both[:3]}: give each question an id unique "
+                           "across the splits")
 
 
 def make_pool(args, data: EnvData):
@@ -779,9 +785,9 @@ def make_pool(args, data: EnvData):
     if args.env != "search":
         return EnvPool(num_workers=args.env_workers, max_steps=args.max_turns)
     if args.retriever_url:   # per-try timeout: a third of the step's budget (the client retries twice)
-        retriever = HTTPRetriever(args.retriever_url, timeout=args.retrieval_timeout / 3, retries=2)
+        retriever = HTTPRetriever(args.retriever_url, timeout=args.retrieval_timeout * args.retrieval_batch / 3, retries=2)
     else:
         retriever = BM25Retriever(os.path.join(args.data_root, "corpus.jsonl"))
     return SearchPool(retriever, data.records, max_turns=args.max_turns, top_k=args.top_k,
-                      timeout=args.retrieval_timeout)
+                      timeout=args.retrieval_timeout, batch=args.retrieval_batch)
 

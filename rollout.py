@@ -541,9 +541,12 @@ def sampler_gap(pairs) -> dict[str, float]:
 # Evaluation on held-out tasks
 
 def evaluate(engine, pool, games: list[str], *, repeats: int, seed: int, history_len: int, temperature: float,
-             constrained: bool = False) -> tuple[dict, dict[str, float]]:
+             constrained: bool = False, source_of: Optional[dict[str, str]] = None) -> tuple[dict, dict[str, float]]:
     """Success on held-out games (`repeats` episodes each, sampled at `temperature`, greedy at 0): the metrics
-    (overall, per task type) and the success per game (for `paired_gain`); games split across ranks."""
+    (overall, per task type) and the success per game (for `paired_gain`); games split across ranks.
+    `source_of` (task id → data source; search QA) adds the success per data source, `eval/success_<source>`,
+    and their unweighted mean, `eval/success_source_mean`: the figure Search-R1 and its successors report
+    (exact match per data set, then the mean over data sets)."""
     mine = games[distributed.RANK::distributed.WORLD]
     # [ours] common random numbers, so that start-vs-end is paired and an unchanged policy scores the same
     # (the training RNG is left untouched). HF engine: every evaluation starts its rank's generator from
@@ -561,6 +564,10 @@ def evaluate(engine, pool, games: list[str], *, repeats: int, seed: int, history
     out = {"eval/success": float(np.mean([w for _, w, *_ in rows])) if rows else 0.0,
            "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for _, _, n, _ in rows])) if rows else 0.0}
     out.update({f"eval/success_{t}": v for t, v in mean_by((t, w) for t, w, *_ in rows).items()})
+    if source_of and rows:
+        by_source = mean_by((source_of[g], w) for _, w, _, g in rows)
+        out.update({f"eval/success_{src}": v for src, v in by_source.items()})
+        out["eval/success_source_mean"] = float(np.mean(list(by_source.values())))
     return out, mean_by((g, w) for _, w, _, g in rows)
 
 

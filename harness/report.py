@@ -209,7 +209,8 @@ def _step_range(train, evals, summary):
 
 def _order_types(types) -> list:
     types = set(types)
-    return [t for t in TYPE_ORDER if t in types] + sorted(types - set(TYPE_ORDER))
+    return [t for t in TYPE_ORDER if t in types] + sorted(types - set(TYPE_ORDER) - {"source_mean"}) + \
+        ["source_mean"] * ("source_mean" in types)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,6 +514,7 @@ def section_by_type(summary, evals, plot_dir) -> str:
     rows = []
     for t, s, e in table:
         d = f"{100 * (e - s):+.1f}" if s is not None and e is not None else ""
+        t = "data sources, unweighted mean" if t == "source_mean" else t   # search: Search-R1's headline figure
         rows.append(f'<tr><td>{_esc(t)}</td><td class="n">{_pct(s)}</td><td class="n">{_pct(e)}</td>'
                     f'<td class="n">{d}</td></tr>')
     img = plot_by_type(table, plot_dir / "by_type.png")

@@ -8,6 +8,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import random
 import shutil
 import signal
@@ -28,6 +29,7 @@ from infra.distributed import all_gather_obj, all_reduce, check_resume, checkpoi
     save_checkpoint
 from infra.io import jsonl_lines, write_json
 from envs import EnvData, env_data, make_pool
+from infra.env_backends import EnvDataError
 from harness.vllm_engine import VLLMEngine
 from rollout import HFEngine, evaluate, load_tokenizer, paired_gain, round_robin_by_type, score_tokens
 from skills import SKILL_PREFIX, SkillBank, skill_token_budget
@@ -260,7 +262,11 @@ def setup(args) -> "Run":
         raise SystemExit(f"error: --tasks_per_step {args.tasks_per_step} must be >= the number of ranks ({D.WORLD})")
     if args.engine == "vllm" and not dist.is_initialized():
         raise SystemExit("error: --engine vllm needs a GPU process group (torchrun, or one CUDA GPU)")
-    data = env_data(args, None if args.task_types == "all" else args.task_types.split(","))
+    try:                                  # bad data: its message (file, line, what was found), not a traceback
+        data = env_data(args, None if args.task_types == "all" else args.task_types.split(","))
+        pool = make_pool(args, data)
+    except EnvDataError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.sft_hold_out and args.sft_hold_out not in data.train_types:
         raise SystemExit(f"error: --sft_hold_out {args.sft_hold_out}: the {args.train_split} split of {args.data_root} "
                          f"has no game of that type (it has {', '.join(sorted(set(data.train_types)))}), so RL could "
@@ -269,7 +275,7 @@ def setup(args) -> "Run":
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={D.WORLD} device={device} train tasks="
            f"{len(data.train)} eval tasks={len(eval_games)} constrained={args.constrained}")
-    return Run(args, run_dir, device, data, eval_games, make_pool(args, data), summary={"config": dataclasses.asdict(args)},
+    return Run(args, run_dir, device, data, eval_games, pool, summary={"config": dataclasses.asdict(args)},
                task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
                bank=SkillBank(args.bank_capacity),
                skill_facts=cpu_preset.skill_facts_of_game if args.env == "alfworld" else None)
@@ -337,7 +343,11 @@ def finish(run: "Run"):
     """The final evaluation (when --eval), then, always: final/, summary.json, curves.png, the skill bank,
     episodes.json and report.html."""
     a, s = run.args, run.summary
-    if a.eval:
+    if a.eval and a.steps == 0 and "eval_at_start/by_game" in s:   # no RL step: the start's evaluation is the end's
+        ev = {k.replace("eval_at_start/", "eval/"): v for k, v in s.items()
+              if k.startswith("eval_at_start/") and k != "eval_at_start/by_game"}
+        s.update(ev, **{"eval/by_game": s["eval_at_start/by_game"]})
+    elif a.eval:
         ev, s["eval/by_game"] = evaluate_and_print(run, "eval", "after RL")
         s.update(ev)
         if "eval_at_start/by_game" in s:
@@ -388,9 +398,11 @@ def evaluate_and_print(run: "Run", phase: str, when: str) -> tuple[dict, dict]:
     a, t0 = run.args, time.time()
     with run.phases(phase):
         ev, by_game = evaluate(run.engine, run.pool, run.eval_games, repeats=a.eval_repeats, seed=a.seed,
-                               history_len=a.history_len, temperature=a.eval_temperature, constrained=a.constrained)
+                               history_len=a.history_len, temperature=a.eval_temperature, constrained=a.constrained,
+                               source_of={i: r["data_source"] for i, r in run.data.records.items()} or None)
     print0(f"eval {when}: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
-           f"({len(run.eval_games)} tasks x {a.eval_repeats}, {time.time() - t0:.0f}s)")
+           f"({len(run.eval_games)} tasks x {a.eval_repeats}, {time.time() - t0:.0f}s)"
+           + (f"; mean over data sources {ev['eval/success_source_mean']:.3f}" if "eval/success_source_mean" in ev else ""))
     return ev, by_game
 
 
@@ -419,7 +431,8 @@ def resume(run: "Run") -> bool:
 
 def parse_flags(cls, argv, presets_of: Callable[[dict], dict], tables: dict[str, dict], description: str):
     """A `cls` dataclass (train.Args) from the command line: one --flag per field (its help in the field's
-    metadata; bools read true/false), then the presets `presets_of(flags)` for the flags not given.
+    metadata; bools read true/false), then the presets `presets_of(flags)` for the flags not given; a field
+    marked `path` gets ~ and $VARS expanded.
     `tables` (name → preset) are listed in each flag's --help. [ours] argparse over the dataclass rather
     than tyro: one fewer dependency, and the presets need to know which flags were given."""
     p = argparse.ArgumentParser(description=description)
@@ -435,6 +448,9 @@ def parse_flags(cls, argv, presets_of: Callable[[dict], dict], tables: dict[str,
         p.set_defaults(**{k: unset for k in presets})
         given = vars(p.parse_args(argv))
         ns.update({k: v for k, v in presets.items() if given[k] is unset})
+    for f in dataclasses.fields(cls):     # [ours] paths: ~ and $VARS expanded (--data_root ~/.cache/alfworld)
+        if f.metadata.get("path") and ns[f.name]:
+            ns[f.name] = os.path.expandvars(os.path.expanduser(ns[f.name]))
     return cls(**ns)
 
 

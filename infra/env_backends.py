@@ -422,7 +422,8 @@ class RetrieverTimeout(RetrieverError):
 # -- data
 
 
-def _read_jsonl(path: str, what: str) -> list[dict]:
+def _read_jsonl(path: str, what: str) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a file that is missing, empty or not JSON objects raises."""
     if not os.path.isfile(path):
         raise EnvDataError(f"{what} {path!r} does not exist")
     rows = []
@@ -431,88 +432,135 @@ def _read_jsonl(path: str, what: str) -> list[dict]:
             raise EnvDataError(f"malformed {what} {path}:{n}: invalid JSON ({row})")
         if not isinstance(row, dict):
             raise EnvDataError(f"malformed {what} {path}:{n}: expected a JSON object")
-        rows.append(row)
+        rows.append((n, row))
     if not rows:
         raise EnvDataError(f"{what} {path!r} is empty")
     return rows
 
 
+CORPUS_LAYOUTS = ('{"id", "title", "text"}', '{"id", "contents": "\\"Title\\"\\ntext"} (wiki-18, Search-R1)',
+                  '{"id", "title", "text", "contents"} (pyserini stored documents)')
+
+
+def split_contents(contents: str) -> tuple[str, str]:
+    """Search-R1's and wiki-18's `contents` ('"Title"\ntext', the title in quotes on the first line) → (title, text)."""
+    title, _, text = contents.partition("\n")
+    return title.strip().strip('"'), text.strip()
+
+
 def load_corpus(path: str) -> list[dict]:
-    """Passages of a JSONL corpus: one {"id", "title", "text"} object a line (ids unique)."""
-    rows = _read_jsonl(path, "corpus")
+    """Passages of a JSONL corpus, one object a line, in any of CORPUS_LAYOUTS: our {"id", "title", "text"},
+    wiki-18's {"id", "contents"} (Search-R1's corpus, its `contents` '"Title"\ntext'), or pyserini's stored
+    documents (all four; title and text are used). Ids must be unique. → [{"id", "title", "text"}]"""
     seen: set[str] = set()
     out = []
-    for n, row in enumerate(rows, 1):
-        if not isinstance(row.get("id"), (str, int)) or not all(isinstance(row.get(k), str) for k in ("title", "text")):
-            raise EnvDataError(f"malformed corpus {path}: passage {n} needs 'id' (text or number), "
-                               f"'title' and 'text' (text), got keys {sorted(row)}")
-        pid = str(row["id"])
+    for n, row in _read_jsonl(path, "corpus"):
+        pid = row.get("id")
+        if isinstance(row.get("title"), str) and isinstance(row.get("text"), str):
+            title, text = row["title"], row["text"]
+        elif isinstance(row.get("contents"), str):
+            title, text = split_contents(row["contents"])
+        else:
+            pid = None
+        if not isinstance(pid, (str, int)):
+            raise EnvDataError(f"malformed corpus {path}:{n}: a passage in no known layout (fields found: "
+                               f"{sorted(row)}); accepted, one JSON object a line: {'; '.join(CORPUS_LAYOUTS)}")
+        pid = str(pid)
         if pid in seen:
-            raise EnvDataError(f"malformed corpus {path}: passage {n} repeats id {pid!r}")
+            raise EnvDataError(f"malformed corpus {path}:{n}: repeats passage id {pid!r}")
         seen.add(pid)
-        out.append({"id": pid, "title": row["title"], "text": row["text"]})
+        out.append({"id": pid, "title": title, "text": text})
     return out
 
 
-def _qa_record(row: dict, where: str, index: int) -> dict:
-    """One question in the Search-R1 layout → {id, question, golden_answers, data_source, task_type[, demo]}."""
-    question = row.get("question")
-    if not isinstance(question, str):  # verl layout: the question is at the end of the prompt
-        prompt = row.get("prompt")
-        content = prompt[0].get("content") if isinstance(prompt, (list, tuple)) and prompt and \
-            isinstance(prompt[0], dict) else None
-        if isinstance(content, str) and "Question:" in content:
-            question = content.rsplit("Question:", 1)[1]
+QA_LAYOUTS = ("FlashRAG: {id, question, golden_answers}, the data source its folder's name (<source>/<split>.jsonl) "
+              "or a data_source field",
+              "Search-R1 (verl): {data_source, prompt: [user message ending 'Question: ...'], reward_model: "
+              "{ground_truth: {target}}, extra_info: {split, index}}",
+              "verl-agent: the same with prompt [system, ..., user] and extra_info.question; sources searchR1_<name>")
+
+
+def _question_of(row: dict):
+    """The question of a QA row: `question`, else verl-agent's `extra_info.question`, else the last user
+    message of a verl `prompt` (after its last "Question:" when it has one)."""
+    if isinstance(row.get("question"), str):
+        return row["question"]
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    if isinstance(extra.get("question"), str):
+        return extra["question"]
+    prompt = row.get("prompt")
+    users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"] \
+        if isinstance(prompt, (list, tuple)) else []
+    if users and isinstance(users[-1], str):
+        return users[-1].rsplit("Question:", 1)[-1]
+    return None
+
+
+def _qa_record(row: dict, where: str, index: int, source: str = "", split: str = "") -> dict:
+    """One question in any of QA_LAYOUTS → {id, question, golden_answers, data_source, task_type[, demo]}.
+    `source`: the data source when the row has none (FlashRAG: the file's folder); `split`: the file's split,
+    which makes a position-based id (`extra_info.index`, restarting in every split) unique across splits."""
+    question = _question_of(row)
     golds = row.get("golden_answers")
     if golds is None:
         golds = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
     if isinstance(golds, str):
         golds = [golds]
     golds = [str(g) for g in golds] if golds is not None and not isinstance(golds, dict) else None
-    source = row.get("data_source")
+    raw_source = row.get("data_source") or source
+    src = raw_source.removeprefix("searchR1_") if isinstance(raw_source, str) else raw_source   # verl-agent's names
+    what = f"QA file {where} (fields found: {sorted(row)})"
     if not isinstance(question, str) or not question.strip():
-        raise EnvDataError(f"malformed QA file {where}: record {index} has no 'question'")
+        raise EnvDataError(f"malformed {what} has no 'question'; accepted layouts: {'; '.join(QA_LAYOUTS)}")
     if not golds:
-        raise EnvDataError(f"malformed QA file {where}: record {index} has no 'golden_answers' "
-                           f"(nor reward_model.ground_truth.target)")
-    if source not in SEARCH_TASK_TYPES:
-        raise EnvDataError(f"malformed QA file {where}: record {index} has data_source {source!r}; "
-                           f"known sources: {sorted(SEARCH_TASK_TYPES)}")
-    raw_id = row.get("id")
-    if raw_id is None:
-        raw_id = (row.get("extra_info") or {}).get("index", index - 1)
-    rec = {"id": f"{source}:{raw_id}", "question": " ".join(question.split()), "golden_answers": golds,
-           "data_source": source, "task_type": SEARCH_TASK_TYPES[source]}
+        raise EnvDataError(f"malformed {what} has no 'golden_answers' (nor reward_model.ground_truth.target)")
+    if src not in SEARCH_TASK_TYPES:
+        raise EnvDataError(f"malformed {what} has data_source {raw_source!r}; known sources: "
+                           f"{sorted(SEARCH_TASK_TYPES)} (FlashRAG files: name the folder after the source)")
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    if row.get("id") is not None:
+        rid = f"{src}:{row['id']}"
+    else:                                 # a position: qualified by the split, so train and test cannot collide
+        rid = f"{src}:{extra.get('split') or split}-{extra.get('index', index - 1)}"
+    rec = {"id": rid, "question": " ".join(question.split()), "golden_answers": golds,
+           "data_source": src, "task_type": SEARCH_TASK_TYPES[src]}
     if isinstance(row.get("demo"), dict):
         rec["demo"] = row["demo"]
     return rec
 
 
-def load_qa(path: str) -> list[dict]:
-    """Questions of a Search-R1 data file (.jsonl, or .parquet with pyarrow installed).
+def load_qa(path: str, source: str = "") -> list[dict]:
+    """Questions of a QA data file (.jsonl, or .parquet), in any of QA_LAYOUTS.
 
-    Two layouts: FlashRAG's flat rows (`id`, `question`, `golden_answers`, `data_source`) and the
-    verl rows that Search-R1's `scripts/data_process/qa_search_{train,test}_merge.py` write. Fields:
-    `question` (or the verl `prompt`, whose text ends with "Question: ..."), `golden_answers` (or
-    `reward_model.ground_truth.target`), `data_source` (one of SEARCH_TASK_TYPES, which gives the
-    task type), optional `id` (else `extra_info.index`, else the position) and our `demo`. Task ids
-    are "<data_source>:<id>" (the merged Search-R1 test file reuses ids across sources). A bad file
-    raises EnvDataError naming the file and the record or line.
+    FlashRAG's rows (`id`, `question`, `golden_answers`) take their data source from `source` (their
+    folder's name, `list_qa`) unless they carry `data_source`; the verl rows that Search-R1's
+    `scripts/data_process/qa_search_{train,test}_merge.py` write have `data_source`, the question at the end
+    of the user message of `prompt`, the answers in `reward_model.ground_truth.target` and
+    `extra_info.{split,index}`; verl-agent's add a system message before it and `extra_info.question`, and
+    spell the sources `searchR1_nq`, .... The data source (one of SEARCH_TASK_TYPES) gives the task type.
+    Task ids are "<data_source>:<id>", or "<data_source>:<split>-<index>" without an `id` (the merged
+    Search-R1 test file reuses ids across sources; indices restart in every split). A bad file raises
+    EnvDataError naming the file, the record or line, the fields found and the layouts accepted.
     """
+    split = os.path.splitext(os.path.basename(path))[0]
     if path.endswith(".parquet"):
         if not os.path.isfile(path):
             raise EnvDataError(f"QA file {path!r} does not exist")
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise EnvDataError(f"reading {path} needs pyarrow (`pip install pyarrow`), or convert it to "
-                               f"JSONL first") from None
-        rows = pq.read_table(path).to_pylist()
+            raise EnvDataError(f"reading {path} needs pyarrow (`pip install -r requirements.txt`), or convert it "
+                               f"to JSONL first") from None
+        try:
+            rows = list(enumerate(pq.read_table(path).to_pylist(), 1))
+        except Exception as e:            # noqa: BLE001 - pyarrow raises its own types for a bad file
+            raise EnvDataError(f"malformed QA file {path}: not a readable parquet file ({type(e).__name__}: {e})") from None
         if not rows:
             raise EnvDataError(f"QA file {path!r} is empty")
     else:
         rows = _read_jsonl(path, "QA file")
-    out = [_qa_record(row, path, n) for n, row in enumerate(rows, 1)]
+    out = [_qa_record(row, f"{path}, row {n}" if path.endswith(".parquet") else f"{path}:{n}", n, source, split)
+           for n, row in rows]
     ids = Counter(r["id"] for r in out)
     dup = [i for i, c in ids.items() if c > 1]
     if dup:
@@ -521,27 +569,38 @@ def load_qa(path: str) -> list[dict]:
 
 
 def list_qa(data_root: str, split: str, task_types=None) -> list[dict]:
-    """Questions of `<data_root>/<split>.jsonl` (or `.parquet`), optionally only 'single'/'multi'.
+    """Questions of `<data_root>/<split>.jsonl` (or `.parquet`), or of FlashRAG's folders
+    `<data_root>/<source>/<split>.jsonl` (one per data source, named after it), optionally only 'single'/'multi'.
 
     The shipped small set is `data/search_qa` (scripts/qa_gen.py: a fictional world, 300 train /
     100 test questions, 170 passages, gold demonstrations verified against BM25 + envs.SearchEnv).
     Search-R1's real data (needs internet): the NQ + HotpotQA train set and the merged seven-set
-    test file, as parquet (`pip install pyarrow`),
+    test file, as parquet,
         huggingface-cli download --repo-type dataset PeterJinGo/nq_hotpotqa_train --local-dir data/nq_hotpotqa_train
     (`data/nq_hotpotqa_train/{train,test}.parquet`; or rebuild them from FlashRAG with Search-R1's
     `scripts/data_process/qa_search_{train,test}_merge.py`), and for retrieval the E5 index and
     wiki-18 corpus served by Search-R1's own server (in a clone of PeterGriffinJin/Search-R1:
     `python scripts/download.py --save_path <dir>`, then `bash retrieval_launch.sh`, port 8000);
     then `python train.py --env search --data_root data/nq_hotpotqa_train --retriever_url
-    http://127.0.0.1:8000`.
+    http://127.0.0.1:8000`. Without a server, wiki-18's `wiki-18.jsonl` copied to `<data_root>/corpus.jsonl`
+    serves the in-process BM25 (its whole 21 M passages need tens of GB of memory to index).
     """
     fix = ("generate the small set with `python scripts/qa_gen.py --out <data_root>` or fetch "
            "Search-R1's data (see env_backends.list_qa)")
     paths = [os.path.join(data_root, f"{split}.{ext}") for ext in ("jsonl", "parquet")]
     path = next((p for p in paths if os.path.isfile(p)), None)
-    if path is None:
-        raise EnvDataError(f"no QA split file {paths[0]!r} (nor .parquet); {fix}")
-    rows = load_qa(path)
+    folders = sorted(d for d in (os.listdir(data_root) if os.path.isdir(data_root) else [])
+                     if os.path.isfile(os.path.join(data_root, d, f"{split}.jsonl")))
+    if path is not None:
+        rows = load_qa(path)
+    elif folders:                         # FlashRAG: the data source is the folder's name
+        rows = [r for d in folders for r in load_qa(os.path.join(data_root, d, f"{split}.jsonl"), source=d)]
+        dup = [i for i, c in Counter(r["id"] for r in rows).items() if c > 1]
+        if dup:
+            raise EnvDataError(f"the {split} files under {data_root} repeat ids {dup[:5]}")
+    else:
+        raise EnvDataError(f"no QA split file {paths[0]!r} (nor .parquet, nor FlashRAG's <source>/{split}.jsonl "
+                           f"folders); {fix}")
     if task_types is not None:
         wanted = {task_types} if isinstance(task_types, str) else set(task_types)
         bad = wanted - set(SEARCH_TYPES)
@@ -549,7 +608,7 @@ def list_qa(data_root: str, split: str, task_types=None) -> list[dict]:
             raise EnvDataError(f"unknown search task types {sorted(bad) or '(none)'}; expected {list(SEARCH_TYPES)}")
         rows = [r for r in rows if r["task_type"] in wanted]
         if not rows:
-            raise EnvDataError(f"no questions of types {sorted(wanted)} in {path!r}")
+            raise EnvDataError(f"no questions of types {sorted(wanted)} in the {split} split of {data_root!r}")
     return rows
 
 
@@ -559,8 +618,7 @@ def list_qa(data_root: str, split: str, task_types=None) -> list[dict]:
 def _contents_to_passage(doc: dict, score) -> dict:
     """A Search-R1 server document ({"id", "contents": '"Title"\\ntext'}) as a passage dict."""
     if "contents" in doc:
-        title, _, text = str(doc["contents"]).partition("\n")
-        title = title.strip().strip('"')
+        title, text = split_contents(str(doc["contents"]))
     else:
         title, text = str(doc.get("title", "")), str(doc.get("text", ""))
     return {"id": str(doc.get("id", "")), "title": title, "text": text.strip(),

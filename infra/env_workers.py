@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import time
 import traceback
 import weakref
 
@@ -99,3 +100,23 @@ LIVE_POOLS: "weakref.WeakSet" = weakref.WeakSet()   # the open envs.EnvPool obje
 def _close_live_pools() -> None:
     for pool in list(LIVE_POOLS):
         pool.close()
+
+
+def wait_ready(workers: list[Worker], start_timeout: float) -> None:
+    """Wait for each new worker's "ready" (all within `start_timeout` s); a worker that died or is late raises."""
+    deadline = time.monotonic() + start_timeout
+    for w in workers:
+        left = deadline - time.monotonic()
+        if not w.conn.poll(max(left, 0)):
+            raise RuntimeError(f"env worker {w.proc.pid} did not start within {start_timeout}s")
+        try:
+            kind, _ = w.conn.recv()
+        except (EOFError, OSError):
+            kind = "died"
+        if kind != "ready":
+            raise RuntimeError(f"env worker {w.proc.pid} died while starting (exit code "
+                               f"{w.proc.exitcode}, its traceback is on stderr). Workers are "
+                               f"spawned: the main script needs an `if __name__ == '__main__':` "
+                               f"guard")
+        w.ready = True
+

@@ -373,14 +373,20 @@ def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = ""
                     return
         raise ExpertFailed(f"no {obj} found")
 
+    def first_of(rtype):                  # a room may lack the receptacle (no sinkbasin in a small bathroom)
+        r = next((r for r in order if r.rsplit(" ", 1)[0] == _name(rtype)), None)
+        if r is None:
+            raise ExpertFailed(f"no {_name(rtype)} in this room")
+        return r
+
     def place(target_type):
-        dest = next(r for r in order if r.rsplit(" ", 1)[0] == _name(target_type))
+        dest = first_of(target_type)
         goto(dest)
         act(f"move {holding} to {dest}")
         return dest
 
     def use_tool(verb, tool_type):
-        tool = next(r for r in order if r.rsplit(" ", 1)[0] == _name(tool_type))
+        tool = first_of(tool_type)
         goto(tool)
         act(f"{verb} {holding} with {tool}")
 

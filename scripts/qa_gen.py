@@ -151,7 +151,7 @@ def verify(q: dict, env) -> str | None:
         obs, _, done, info = env.step(f"<think> </think> <search> {query} </search>")
         if done or info["invalid_action"] or info["error"]:
             return f"search {query!r} ended the episode ({info['error']})"
-        if f"(Title: {need})" not in obs:
+        if f'(Title: "{need}")' not in obs:
             return f"search {query!r} does not bring the passage of {need!r} into the top k"
         nxt = needs[j + 1] if j + 1 < len(needs) else q["demo"]["answer"]
         if nxt not in obs:

@@ -119,3 +119,26 @@ def test_medium_rooms_step_cap_and_informed_expert(tmp_path):
             G.play_expert(env, pp["object_target"], pp["parent_target"], traj["task_type"], pp["toggle_target"],
                           max_steps=len(acts) - 1)
     assert max(sizes) >= 12 and all(s <= 16 for s in sizes)  # 12-16 receptacles where the scene has them
+
+
+class _State(dict):
+    def __init__(self, feedback, admissible, won=False):
+        super().__init__(won=won)
+        self.feedback, self.admissible_commands = feedback, admissible
+
+
+class _RoomWithoutSink:
+    """A stand-in engine: a clean task in a room with a countertop that holds the cloth and no sinkbasin."""
+    def reset(self):
+        return _State("You are in a room.", ["go to countertop 1", "go to cabinet 1"])
+
+    def step(self, cmd):
+        if cmd == "go to countertop 1":
+            return _State("On the countertop 1, you see a cloth 1.", ["take cloth 1 from countertop 1", "go to cabinet 1"]), 0, False
+        return _State("You pick up the cloth 1.", ["go to countertop 1", "go to cabinet 1"]), 0, False
+
+
+def test_expert_refuses_a_room_without_the_tool_instead_of_crashing():
+    # the generator skips a game the expert cannot play; a missing tool once ended the run with StopIteration
+    with pytest.raises(G.ExpertFailed, match="no sinkbasin in this room"):
+        G.play_expert(_RoomWithoutSink(), "Cloth", "Cabinet", "pick_clean_then_place_in_recep")

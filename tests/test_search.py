@@ -144,17 +144,18 @@ def test_load_qa_search_r1_layouts(tmp_path):
     rows = env_backends.load_qa(p)
     assert rows[0] == {"id": "nq:test_0", "question": "who wrote x", "golden_answers": ["A", "B"],
                        "data_source": "nq", "task_type": "single"}
-    assert rows[1]["id"] == "hotpotqa:7" and rows[1]["question"] == "Which city?"
+    assert rows[1]["id"] == "hotpotqa:test-7" and rows[1]["question"] == "Which city?"
     assert rows[1]["golden_answers"] == ["Paris"] and rows[1]["task_type"] == "multi"
     assert rows[2]["id"] == "bamboogle:test_0" and rows[2]["golden_answers"] == ["solo"]  # same raw id, other source
-    assert [r["id"] for r in env_backends.list_qa(str(tmp_path), "test", ["multi"])] == ["hotpotqa:7", "bamboogle:test_0"]
+    assert [r["id"] for r in env_backends.list_qa(str(tmp_path), "test", ["multi"])] == ["hotpotqa:test-7", "bamboogle:test_0"]
 
 
 @pytest.mark.parametrize("rows, match", [
     ([{"question": "q", "golden_answers": ["a"], "data_source": "nq"}, "{oops"], r"test.jsonl:2"),
-    ([{"question": "q", "golden_answers": ["a"], "data_source": "webqa"}], r"record 1 has data_source 'webqa'"),
-    ([{"question": "q", "data_source": "nq"}], r"record 1 has no 'golden_answers'"),
-    ([{"golden_answers": ["a"], "data_source": "nq"}], r"record 1 has no 'question'"),
+    ([{"question": "q", "golden_answers": ["a"], "data_source": "webqa"}], r"test.jsonl:1 .* has data_source 'webqa'"),
+    ([{"question": "q", "data_source": "nq"}], r"test.jsonl:1 .* has no 'golden_answers'"),
+    ([{"golden_answers": ["a"], "data_source": "nq"}], r"test.jsonl:1 \(fields found: \['data_source', "
+                                                       r"'golden_answers'\]\) has no 'question'; accepted layouts: FlashRAG"),
     ([{"id": 1, "question": "q", "golden_answers": ["a"], "data_source": "nq"}] * 2, r"repeated ids"),
 ])
 def test_load_qa_errors_name_file_and_record(tmp_path, rows, match):
@@ -181,10 +182,90 @@ def test_corpus_errors(tmp_path):
     ok = {"id": "a", "title": "T", "text": "x"}
     with pytest.raises(EnvDataError, match=r"c.jsonl:2: invalid JSON"):
         env_backends.load_corpus(_write(tmp_path / "c.jsonl", [ok, "{bad"]))
-    with pytest.raises(EnvDataError, match="passage 2 needs 'id'"):
+    with pytest.raises(EnvDataError, match=r"c.jsonl:2: a passage in no known layout \(fields found: \['id', 'text'\]\); "
+                                           r"accepted.*wiki-18.*pyserini"):
         env_backends.load_corpus(_write(tmp_path / "c.jsonl", [ok, {"id": "b", "text": "no title"}]))
-    with pytest.raises(EnvDataError, match="passage 2 repeats id 'a'"):
+    with pytest.raises(EnvDataError, match="c.jsonl:2: repeats passage id 'a'"):
         env_backends.load_corpus(_write(tmp_path / "c.jsonl", [ok, ok]))
+
+
+def test_corpus_layouts_wiki18_and_pyserini(tmp_path):
+    # wiki-18 (Search-R1's corpus): {"id", "contents"}, contents = '"Title"\ntext'; pyserini's stored
+    # documents carry title, text and contents (title and text are used); ids may be numbers
+    wiki = _write(tmp_path / "wiki.jsonl", [{"id": "0", "contents": '"Aaron"\nAaron is a prophet in the Bible.'},
+                                            {"id": 1, "contents": '"Abba (band)"\nAbba were a Swedish pop group.'}])
+    assert env_backends.load_corpus(wiki) == [{"id": "0", "title": "Aaron", "text": "Aaron is a prophet in the Bible."},
+                                              {"id": "1", "title": "Abba (band)", "text": "Abba were a Swedish pop group."}]
+    pys = _write(tmp_path / "pys.jsonl", [{"id": "d7", "title": "Marnel", "text": "Marnel is a city.",
+                                           "contents": "Marnel\nMarnel is a city."}])
+    assert env_backends.load_corpus(pys) == [{"id": "d7", "title": "Marnel", "text": "Marnel is a city."}]
+    r = env_backends.BM25Retriever(wiki, cache=False)   # the in-process retriever indexes it
+    assert r.search(["Swedish pop group"], k=1)[0][0]["title"] == "Abba (band)"
+
+
+def _verl_row(source, question, answers, split, index, agent=False):
+    """A row as Search-R1's qa_search_*_merge.py writes it, or (agent) as verl-agent's preprocessing does."""
+    prompt = [{"role": "user", "content": f"Answer the given question. ... Question: {question}\n"}]
+    extra = {"split": split, "index": index}
+    if agent:
+        prompt = [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": f"You are an expert agent ... Question: {question}"}]
+        extra["question"] = question
+    return {"data_source": ("searchR1_" if agent else "") + source, "prompt": prompt, "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": answers}}, "extra_info": extra}
+
+
+def test_flashrag_folders_take_their_source_from_the_folder(tmp_path):
+    for src, q in (("nq", "who wrote hamlet"), ("hotpotqa", "which city is older")):
+        (tmp_path / src).mkdir()
+        _write(tmp_path / src / "test.jsonl", [{"id": "test_0", "question": q, "golden_answers": ["x"],
+                                                "metadata": {"answer_type": "span"}}])
+    rows = env_backends.list_qa(str(tmp_path), "test")
+    assert [(r["id"], r["data_source"], r["task_type"]) for r in rows] == [("hotpotqa:test_0", "hotpotqa", "multi"),
+                                                                            ("nq:test_0", "nq", "single")]
+    (tmp_path / "webqa").mkdir()
+    _write(tmp_path / "webqa" / "test.jsonl", [{"id": "test_0", "question": "q", "golden_answers": ["x"]}])
+    with pytest.raises(EnvDataError, match=r"webqa/test.jsonl:1 .* has data_source 'webqa'.*name the folder"):
+        env_backends.list_qa(str(tmp_path), "test")
+
+
+def test_verl_agent_rows_system_prompt_and_prefixed_sources(tmp_path):
+    p = _write(tmp_path / "train.jsonl", [_verl_row("nq", "who sang x?", ["Abba"], "train", 0, agent=True),
+                                          _verl_row("hotpotqa", "where is y?", ["Paris"], "train", 1, agent=True)])
+    rows = env_backends.load_qa(p)
+    assert [(r["id"], r["question"], r["data_source"], r["golden_answers"]) for r in rows] == [
+        ("nq:train-0", "who sang x?", "nq", ["Abba"]), ("hotpotqa:train-1", "where is y?", "hotpotqa", ["Paris"])]
+
+
+def _write_parquet(path: Path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+
+
+def test_search_r1_parquet_pair_ids_unique_across_splits(tmp_path):
+    # Search-R1's parquet files (nested prompt list, reward_model and extra_info structs); extra_info.index
+    # restarts at 0 in each split, so the ids carry the split: nq:train-0 and nq:test-0 are two questions
+    _write_parquet(tmp_path / "train.parquet", [_verl_row("nq", "who wrote a?", ["A"], "train", 0),
+                                                _verl_row("hotpotqa", "where is b?", ["B"], "train", 1)])
+    _write_parquet(tmp_path / "test.parquet", [_verl_row("nq", "who wrote c?", ["C"], "test", 0)])
+    import pyarrow.parquet as pq
+    assert pq.read_schema(str(tmp_path / "train.parquet")).field("reward_model").type.num_fields == 2   # a struct
+    import train as T
+    a = T.parse_args(["--env", "search", "--data_root", str(tmp_path), "--eval_split", "test"])
+    data = envs.env_data(a, None)
+    assert data.train == ["nq:train-0", "hotpotqa:train-1"] and data.eval == ["nq:test-0"]
+    assert data.records["nq:test-0"]["question"] == "who wrote c?"     # not the train question nq:0 was before
+
+
+def test_a_question_id_in_both_splits_is_refused(tmp_path):
+    row = {"id": "q1", "question": "who?", "golden_answers": ["x"], "data_source": "nq"}
+    _write(tmp_path / "train.jsonl", [row, {**row, "id": "q2"}])
+    _write(tmp_path / "test.jsonl", [{**row, "question": "other?"}])
+    import train as T
+    a = T.parse_args(["--env", "search", "--data_root", str(tmp_path), "--eval_split", "test"])
+    with pytest.raises(EnvDataError, match=r"1 task ids are in both --train_split train and --eval_split test .*nq:q1"):
+        envs.env_data(a, None)
 
 
 def test_shipped_set_sizes_and_layout(qa):
@@ -241,7 +322,7 @@ def test_env_scripted_multi_hop_episode(bm25, qa):
     assert obs == "" and info["task"] == q["question"] and info["task_type"] == "multi" and not info["won"]
     obs, r, done, info = env.step("<think> hop 1 </think> <search> Rhobeltek </search>")
     assert (r, done, info["invalid_action"], info["searches"]) == (0.0, False, False, 1)
-    assert obs.startswith("<information> Doc 1 (Title: Rhobeltek)") and "based in Marnel" in obs
+    assert obs.startswith('<information> Doc 1(Title: "Rhobeltek")') and "based in Marnel" in obs
     # a company is named only in its own passage; the others score 0 and are not returned
     assert obs.count("Doc ") == 1
     obs, r, done, info = env.step("<search> Marnel </search>")
@@ -461,7 +542,7 @@ def test_http_client_success_matches_in_process_bm25(server, bm25):
                                         "task_type": "multi"}}) as pool:
         pool.reset(["q", "q"])
         out = pool.step(["<search> Rhobeltek </search>", "<search> Marnel </search>"])
-        assert "(Title: Rhobeltek)" in out[0][0] and "(Title: Marnel)" in out[1][0] and pool.stats["errors"] == 0
+        assert '(Title: "Rhobeltek")' in out[0][0] and '(Title: "Marnel")' in out[1][0] and pool.stats["errors"] == 0
 
 
 def test_http_client_timeout_on_a_slow_server(server):
@@ -540,7 +621,10 @@ def test_train_env_search_end_to_end_rsipo(tmp_path):
             "--out_dir", str(tmp_path), "--run_name", "s"]
     summary = T.main(argv)
     run = tmp_path / "s"
-    assert {"eval/success_at_start", "eval/success", "eval/success_single", "eval/success_multi"} <= set(summary)
+    assert {"eval/success_at_start", "eval/success", "eval/success_single", "eval/success_multi",
+            "eval/success_gen_single", "eval/success_gen_multi", "eval_at_start/success_source_mean"} <= set(summary)
+    assert summary["eval/success_source_mean"] == pytest.approx(
+        (summary["eval/success_gen_single"] + summary["eval/success_gen_multi"]) / 2)
     assert summary["config"]["env"] == "search" and summary["config"]["r_win"] == 1.0
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/success" in r]
@@ -582,3 +666,99 @@ def test_bm25_keeps_an_installed_jax_off_the_gpu(tmp_path):
     seen = [json.loads(x) for x in log.read_text().splitlines()]
     assert seen[0] == {"import": "cpu"}                       # bm25s did import the stand-in, with JAX on the CPU
     assert [s for s in seen if "top_k" in s] == [{"top_k": 5}]   # only bm25s's own import-time probe, no retrieval
+
+
+class _AlwaysGartis(_ScriptedEngine):
+    def __init__(self):
+        super().__init__([])
+
+    def generate(self, prompts, **kw):
+        return [Generation("<answer> Gartis </answer>", [1], [-0.1], [3]) for _ in prompts]
+
+
+def test_evaluation_reports_exact_match_per_data_source_and_their_unweighted_mean(bm25, qa):
+    # Search-R1's protocol: EM per data set, then the plain mean over data sets. One gen_multi question
+    # whose gold is Gartis (won) and two gen_single ones (lost): pooled 1/3, per source 1.0 and 0.0, mean 0.5
+    from rollout import evaluate
+    games = ["gen_multi:test-0001", "gen_single:test-0000", "gen_single:test-0002"]
+    with envs.SearchPool(bm25, qa) as pool:
+        out, _ = evaluate(_AlwaysGartis(), pool, games, repeats=1, seed=0, history_len=4, temperature=0.0,
+                          source_of={g: qa[g]["data_source"] for g in games})
+    assert out["eval/success"] == pytest.approx(1 / 3)
+    assert out["eval/success_gen_multi"] == 1.0 and out["eval/success_gen_single"] == 0.0
+    assert out["eval/success_source_mean"] == 0.5
+
+
+class _SlowOn(_SlowRetriever):
+    """Hangs on any request that holds a query with `word` in it."""
+    def __init__(self, inner, sleep, word):
+        super().__init__(inner, sleep)
+        self.word, self.requests = word, []
+
+    def search(self, queries, k=3):
+        self.requests.append(list(queries))
+        if any(self.word in q for q in queries):
+            time.sleep(self.sleep)
+        return self.inner.search(queries, k)
+
+
+@pytest.mark.parametrize("batch, failed", [(1, [1]), (2, [0, 1])])
+def test_retrieval_goes_in_batches_and_a_slow_batch_fails_only_its_episodes(bm25, qa, batch, failed):
+    # three searching episodes, the second query hangs: requests of `batch` queries, each with 0.3 s per
+    # query; only the episodes of the request that held it fail (batch 1: that one; batch 2: the first two)
+    slow = _SlowOn(bm25, 5.0, "Marnel")
+    pool = envs.SearchPool(slow, qa, timeout=0.3, batch=batch)
+    pool.reset(["gen_multi:test-0001"] * 3)
+    t0 = time.monotonic()
+    out = pool.step(["<search> Rhobeltek </search>", "<search> Marnel </search>", "<search> Torix </search>"])
+    assert time.monotonic() - t0 < 3.0
+    assert slow.requests == ([["Rhobeltek"], ["Marnel"], ["Torix"]] if batch == 1 else [["Rhobeltek", "Marnel"], ["Torix"]])
+    for i in range(3):
+        obs, r, done, info = out[i]
+        if i in failed:
+            assert done and "RetrieverTimeout" in info["error"]
+        else:
+            assert not done and info["error"] is None and obs.startswith("<information> Doc 1(Title:")
+    assert pool.stats["timeouts"] == 1 and pool.stats["errors"] == len(failed) and pool.stats["searches"] == 3
+
+
+def _real_format_dir(root: Path) -> Path:
+    """The shipped questions as Search-R1's parquet pair (verl rows, sources renamed nq / hotpotqa, no ids:
+    extra_info.index restarts in each split) and the shipped passages as a wiki-18 corpus."""
+    root.mkdir(parents=True, exist_ok=True)
+    rename = {"gen_single": "nq", "gen_multi": "hotpotqa"}
+    for split in ("train", "test"):
+        rows = [_verl_row(rename[r["data_source"]], r["question"], r["golden_answers"], split, i)
+                for i, r in enumerate(env_backends.list_qa(str(DATA), split))]
+        _write_parquet(root / f"{split}.parquet", rows)
+    _write(root / "corpus.jsonl", [{"id": str(i), "contents": f'"{p["title"]}"\n{p["text"]}'}
+                                   for i, p in enumerate(env_backends.load_corpus(CORPUS))])
+    return root
+
+
+@pytest.mark.parametrize("via", ["bm25", "server"])
+def test_train_on_search_r1_parquet_and_a_wiki18_corpus(tmp_path, via):
+    # python train.py --env search --data_root D on Search-R1's formats, with the in-process BM25 over D's
+    # wiki-18 corpus or with the project's retrieval server serving it; the summary holds EM per data source
+    import train as T
+    d = _real_format_dir(tmp_path / "d")
+    argv = ["--env", "search", "--data_root", str(d), "--algo", "grpo", "--sft_steps", "0", "--steps", "1",
+            "--tasks_per_step", "2", "--group_size", "2", "--eval_games", "6", "--eval_repeats", "1",
+            "--tiny_hidden", "32", "--max_new_tokens", "12", "--out_dir", str(tmp_path), "--run_name", via]
+    srv = None
+    if via == "server":
+        srv = retrieval_server.make_server(env_backends.BM25Retriever(str(d / "corpus.jsonl"), cache=False),
+                                           "127.0.0.1", 0, topk=3)
+        retrieval_server.serve_in_thread(srv)
+        argv += ["--retriever_url", f"http://127.0.0.1:{srv.server_address[1]}"]
+    try:
+        s = T.main(argv)
+    finally:
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
+    assert {"eval/success_nq", "eval/success_hotpotqa", "eval/success_source_mean"} <= set(s)
+    assert s["eval/success_source_mean"] == pytest.approx((s["eval/success_nq"] + s["eval/success_hotpotqa"]) / 2)
+    rows = [json.loads(x) for x in (tmp_path / via / "metrics.jsonl").read_text().splitlines()]
+    step = [r for r in rows if "train/success" in r]
+    assert len(step) == 1 and step[0]["train/env_errors"] == 0    # every search of the step was answered

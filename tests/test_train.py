@@ -487,3 +487,29 @@ def test_gigpo_run_end_to_end_single_process(tmp_path):
     # N = 2 copies of each task start from the same observation: their first turns share an anchor state
     assert 0 < row["gigpo/anchored_frac"] <= 1 and "skill/valid_frac" not in row
     assert torch.isfinite(torch.tensor(row["loss"]))
+
+
+def test_path_flags_expand_home_and_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RSIPO_TEST_DATA", "/data/x")
+    a = T.parse_args(["--data_root", "~/.cache/alfworld", "--out_dir", "$RSIPO_TEST_DATA/runs", "--sft_walkthroughs", ""])
+    assert a.data_root == str(tmp_path / ".cache/alfworld") and a.out_dir == "/data/x/runs"
+    assert a.run_name == "default"                                   # not a path: left as given
+
+
+def test_bad_data_is_one_error_line_not_a_traceback(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--data_root", str(tmp_path / "nonexistent"),
+                        "--out_dir", str(tmp_path), "--steps", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "nonexistent" in r.stderr
+
+
+def test_steps_0_evaluates_a_checkpoint_once(tmp_path, monkeypatch):
+    # evaluating a policy without training (--steps 0): one evaluation, reported as both the start and the end
+    calls = []
+    real = harness_run.evaluate
+    monkeypatch.setattr(harness_run, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    s = T.main(TINY + ["--steps", "0", "--sft_steps", "0", "--out_dir", str(tmp_path), "--run_name", "ev"])
+    assert len(calls) == 1
+    assert s["eval/success"] == s["eval/success_at_start"] and s["eval/by_game"] == s["eval_at_start/by_game"]
+    assert s["eval/episodes"] == 2                      # --eval_games 2, --eval_repeats 1
