@@ -165,6 +165,7 @@ class Args:
                             "does not teach, for RL to find ('' = none; METHOD.md §4)")
     sft_hold_out_mode: str = arg("teacher", "[ours] with --sft_hold_out: teacher (the type's skill-conditioned turns and "
                                  "skill-writing samples stay) | pure (no sample of the type; skills are copied actions)")
+    sft_hold_out_repeat: int = arg(1, "[ours] --sft_hold_out, teacher mode: repeat the type's skill-conditioned turns this often")
     sft_steps: int = arg(1200, "SFT optimizer steps (0 = skip)")
     sft_lr: float = arg(5e-6, "SFT learning rate (SEED: 5e-6)")
     sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
@@ -226,7 +227,8 @@ RULES = [
     (("steps", "sft_steps", "eval_games", "eval_every", "save_every", "replay_m", "alpha", "eta", "calibrate",
       "history_len", "micro_tokens", "sft_micro_tokens", "skill_max_tokens", "step_adv"), lambda v: v >= 0, ">= 0"),
     (("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens",
-      "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k", "retrieval_batch"),
+      "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k", "retrieval_batch",
+      "sft_hold_out_repeat"),
      lambda v: v >= 1, "positive"),
     (("group_size",), lambda v: v >= 2, ">= 2 (a group of 1 has no advantage)"),
     (("lr", "sft_lr", "dist_timeout", "retrieval_timeout"), lambda v: v > 0, "> 0"),
@@ -714,9 +716,7 @@ def warm_start(run: Run):
     """SFT on --sft_data (or the tiny preset's walkthroughs), saved as warm_start/; the start's evaluation."""
     a = run.args
     pairs = load_sft_jsonl(a.sft_data) if a.sft_data else (
-        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills, skill_place=a.sft_skill_place,
-                                    hold_out=a.sft_hold_out, hold_out_mode=a.sft_hold_out_mode)
-        if a.model == "tiny" else [])
+        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills) if a.model == "tiny" else [])
     if pairs and a.sft_steps:
         t0 = time.time()
         with run.phases("sft"):

@@ -270,7 +270,7 @@ def extractive_skill(actions: list[str]) -> str:
 
 def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = False,
                         skill_place: bool = True, hold_out: str = "",
-                        hold_out_mode: str = "teacher") -> list[tuple[str, str]]:
+                        hold_out_mode: str = "teacher", hold_out_repeat: int = 1) -> list[tuple[str, str]]:
     """(prompt, response) pairs from the games' stored walkthrough traces (no engine needed).
     `gamefiles`: game files (their walkthrough.json beside them is read) or walkthrough.json paths.
 
@@ -289,6 +289,8 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
     and analyzer samples stay (the model can follow and write a skill of the type, not act it unprompted);
     "pure": its games give no sample at all, and every skill, written or followed, is `extractive_skill`
     of the walkthrough (no rule-written workflow that would name the held-out type's tool).
+    hold_out_repeat [ours], teacher mode: the held-out type's skill-conditioned turns appear this many times
+    (2: as many acting samples of the type as the other types have, all of them with the skill).
     """
     if hold_out_mode not in HOLD_OUT_MODES:
         raise ValueError(f"hold_out_mode must be one of {HOLD_OUT_MODES}, got {hold_out_mode!r}")
@@ -314,7 +316,7 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
             out.append((analyzer_prompt(task, False, steps[:len(steps) // 2]), json.dumps({"skill": fail})))
         acting = _acting_samples(task, d["steps"], history_len, skill if "informed" not in d else None)
         if held:                          # teacher-knows: only the turns with the skill in the prompt
-            acting = acting[1::2] if skill and "informed" not in d else []
+            acting = acting[1::2] * hold_out_repeat if skill and "informed" not in d else []
         out += acting
         if skill and "informed" in d:   # the skill names the place and the informed expert goes there
             out += [(insert_skill(p, skill, TASK_PREFIX + task), r)
@@ -376,22 +378,23 @@ def search_samples(records: list[dict], retriever, args, skills: bool = False) -
     return out
 
 
-def warm_start_pairs(args, data, pool, skills: bool, skill_place: bool = True, hold_out: str = "",
-                     hold_out_mode: str = "teacher") -> list[tuple[str, str]]:
-    """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations.
-    `skill_place`, `hold_out`, `hold_out_mode` are passed to `walkthrough_samples` (ALFWorld only)."""
+def warm_start_pairs(args, data, pool, skills: bool, as_flags: bool = True) -> list[tuple[str, str]]:
+    """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations. ALFWorld:
+    `walkthrough_samples` with the run's --sft_skill_place, --sft_hold_out, --sft_hold_out_mode and
+    --sft_hold_out_repeat (as_flags=False: every type, skills with their place: the tokenizer's texts)."""
     if args.env == "search":
         return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
     extra = sorted(str(p) for p in Path(args.sft_walkthroughs).glob("json_2.1.1/*/*/*/walkthrough.json")) \
         if args.sft_walkthroughs and not args.sft_data else []
-    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills, skill_place=skill_place,
-                               hold_out=hold_out, hold_out_mode=hold_out_mode)
+    flags = dict(skill_place=args.sft_skill_place, hold_out=args.sft_hold_out, hold_out_mode=args.sft_hold_out_mode,
+                 hold_out_repeat=args.sft_hold_out_repeat) if as_flags else {}
+    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills, **flags)
 
 
 def tokenizer_texts(args, data, pool) -> list[str]:
     """What the tiny preset's word-level tokenizer is trained on: every warm-start text (skills
     included), plus for search the whole corpus and the env's fixed texts."""
-    texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True)]
+    texts = [p + " " + r for p, r in warm_start_pairs(args, data, pool, skills=True, as_flags=False)]
     if args.env == "search":
         texts += [p["title"] + " " + p["text"] for p in getattr(pool.retriever, "passages", [])]
         texts += [envs.INVALID_SEARCH_OBS, envs.NO_RESULTS, "(1 earlier turn(s) not shown)"]

@@ -156,6 +156,10 @@ def test_hold_out_teacher_keeps_only_the_skill_conditioned_turns_of_the_held_out
     assert cpu_preset.walkthrough_samples(cool, 2, skills=True, hold_out="heat") == \
         cpu_preset.walkthrough_samples(cool, 2, skills=True)                      # other types unchanged
     assert cpu_preset.walkthrough_samples(heat, 2, skills=False, hold_out="heat") == []   # GRPO's: nothing of it
+    twice = cpu_preset.walkthrough_samples(heat, 2, skills=True, hold_out="heat", hold_out_repeat=2)
+    held_acting = [s for s in held if s[1].startswith("<think>")]
+    assert sorted(s for s in twice if s[1].startswith("<think>")) == sorted(held_acting * 2)   # each one twice
+    assert len(held_acting) * 2 == len(acting)        # as many acting samples of the type as without the hold-out
 
 
 def test_hold_out_pure_drops_the_type_and_writes_extractive_skills():
