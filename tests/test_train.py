@@ -58,7 +58,7 @@ def test_bad_config_fails_before_compute_naming_the_flag(argv, flag, capsys):
 
 
 def test_missing_data_root_is_a_clear_error(tmp_path):
-    with pytest.raises(Exception, match="json_2.1.1|not found|does not exist"):
+    with pytest.raises(SystemExit, match=r"^error: .*nope.*(json_2.1.1|not found|does not exist)"):
         T.main(["--data_root", str(tmp_path / "nope"), "--out_dir", str(tmp_path)])
 
 
