@@ -264,13 +264,13 @@ def setup(args) -> "Run":
         raise SystemExit("error: --engine vllm needs a GPU process group (torchrun, or one CUDA GPU)")
     try:                                  # bad data: its message (file, line, what was found), not a traceback
         data = env_data(args, None if args.task_types == "all" else args.task_types.split(","))
+        if args.sft_hold_out and args.sft_hold_out not in data.train_types:   # refused before any worker starts
+            raise SystemExit(f"error: --sft_hold_out {args.sft_hold_out}: the {args.train_split} split of "
+                             f"{args.data_root} has no game of that type (it has "
+                             f"{', '.join(sorted(set(data.train_types)))}), so RL could not find its procedure")
         pool = make_pool(args, data)
     except EnvDataError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.sft_hold_out and args.sft_hold_out not in data.train_types:
-        raise SystemExit(f"error: --sft_hold_out {args.sft_hold_out}: the {args.train_split} split of {args.data_root} "
-                         f"has no game of that type (it has {', '.join(sorted(set(data.train_types)))}), so RL could "
-                         "not find its procedure")
     eval_games = round_robin_by_type(data.eval, data.task_type)[:args.eval_games] if args.eval_games else data.eval
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={D.WORLD} device={device} train tasks="
