@@ -77,8 +77,7 @@ class Args:
     run_name: str = arg("default", "name of the run; outputs go to <out_dir>/<run_name>/")
     out_dir: str = arg("runs", "folder for runs", path=True)
     seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
-    algo: str = arg("rsipo", "rsipo | grpo | gigpo | opsd (METHOD.md §3: the method and its baselines; gigpo is "
-                             "GRPO with --step_adv 1)")
+    algo: str = arg("rsipo", "rsipo | grpo | gigpo | opsd (METHOD.md §3; gigpo is GRPO with --step_adv 1)")
     resume: bool = arg(True, "resume from <run>/ckpt if it exists")
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
     dist_timeout: float = arg(60.0, "[ours] minutes a collective may wait for the slowest rank before the run is "
@@ -100,7 +99,8 @@ class Args:
     tiny_layers: int = arg(2, "tiny model: decoder blocks")
     # --- data / env ---
     env: str = arg("alfworld", "alfworld | search (search QA; its defaults: SEARCH_DEFAULTS)")
-    data_root: str = arg("data/alfworld", "folder holding json_2.1.1/{train,valid_seen,valid_unseen}", path=True)
+    data_root: str = arg("data/alfworld_clean", "folder holding json_2.1.1/{train,valid_seen,valid_unseen} (the default: "
+                         "clean games only, the held-out-procedure run, HELD_OUT_DEFAULTS; data/alfworld: all types)", path=True)
     train_split: str = arg("train", "split the RL tasks come from")
     eval_split: str = arg("valid_unseen", "held-out split for evaluation")
     task_types: str = arg("all", "comma list of pick,look,clean,heat,cool,pick2 (search: single,multi) or 'all'")
@@ -157,8 +157,9 @@ class Args:
                             "it and as many without; calibration.jsonl, report (0 = off; not trained on, not in the budget)")
     # --- SFT warm start ---
     sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)", path=True)
-    sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: more walkthroughs (no game files) "
-                                "for the warm start, besides the RL games' own ('' = none)", path=True)
+    sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: folders (comma list) whose train "
+                                "walkthroughs (no game files needed) the warm start clones ('' = none)", path=True)
+    sft_rl_games: bool = arg(True, "[ours] tiny preset, ALFWorld: the warm start also clones the RL games' walkthroughs")
     sft_skill_place: bool = arg(True, "[ours] tiny preset, ALFWorld: the warm start's skill-writing samples name where "
                                 "the walkthrough took the object (false: the workflow alone; acting samples unchanged)")
     sft_hold_out: str = arg("", "[ours] tiny preset, ALFWorld: a task type (e.g. heat) whose procedure the warm start "
@@ -183,7 +184,6 @@ class Args:
     def uses_skills(self) -> bool:   # opsd and rsipo write skills and score with a teacher; grpo, gigpo do not
         return self.algo in ("opsd", "rsipo")
 
-
     def validate(self):
         """Refuse a flag outside its range (RULES, CHOICES) or a combination that cannot run, naming the flag."""
         def bad(flag, why):
@@ -197,10 +197,12 @@ class Args:
                 bad(f, f"must be one of {', '.join(map(str, options))}, got {getattr(self, f)!r}")
         if self.calibrate and self.algo != "rsipo":
             bad("calibrate", f"> 0 needs --algo rsipo (got {self.algo})")
-        if self.sft_walkthroughs and self.model == "tiny" and self.env == "alfworld" and not self.sft_data \
-                and not Path(self.sft_walkthroughs).is_dir():
-            bad("sft_walkthroughs", f"folder not found: {self.sft_walkthroughs} (make it with scripts/alfworld_gen.py "
+        missing = [f for f in self.sft_walkthroughs.split(",") if f.strip() and not Path(f.strip()).is_dir()]
+        if missing and self.model == "tiny" and self.env == "alfworld" and not self.sft_data:
+            bad("sft_walkthroughs", f"folder not found: {missing[0]} (make it with scripts/alfworld_gen.py "
                 "--walkthroughs_only, see README, or pass --sft_walkthroughs '')")
+        if not (self.sft_rl_games or self.sft_walkthroughs.strip(", ") or self.sft_data) and self.model == "tiny":
+            bad("sft_rl_games", "false with no --sft_walkthroughs leaves the warm start nothing to clone")
         if self.sft_data and not Path(self.sft_data).is_file():
             bad("sft_data", f"file not found: {self.sft_data}")
         if self.model not in ("tiny", *cpu_preset.PRESETS) and not Path(self.model).exists() and "/" not in self.model:
@@ -228,8 +230,7 @@ RULES = [
       "history_len", "micro_tokens", "sft_micro_tokens", "skill_max_tokens", "step_adv"), lambda v: v >= 0, ">= 0"),
     (("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens",
       "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k", "retrieval_batch",
-      "sft_hold_out_repeat"),
-     lambda v: v >= 1, "positive"),
+      "sft_hold_out_repeat"), lambda v: v >= 1, "positive"),
     (("group_size",), lambda v: v >= 2, ">= 2 (a group of 1 has no advantage)"),
     (("lr", "sft_lr", "dist_timeout", "retrieval_timeout"), lambda v: v > 0, "> 0"),
     (("opsd_keep", "top_p", "step_gamma"), lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -249,13 +250,14 @@ GIGPO_DEFAULTS = {"step_adv": 1.0}
 GPU_DEFAULTS = {"micro_tokens": 8192, "grad_ckpt": True}
 
 
-def presets_for(model: str, env: str, algo: str = "", gpu: Optional[bool] = None) -> dict:
+def presets_for(model: str, env: str, algo: str = "", gpu: Optional[bool] = None, data_root: str = "") -> dict:
     """Presets: defaults for the flags a command line does not give. `Args` holds the released settings (SEED /
     SDAR / verl-agent) a real model gets; a preset replaces some of them: cpu_preset.TINY_DEFAULTS (--model tiny
-    and its checkpoints), then envs.SEARCH_DEFAULTS (Search-R1), then gigpo; a real model on a GPU (`gpu`:
-    default, whether torch sees one) gets GPU_DEFAULTS."""
+    and its checkpoints; on the default --data_root also cpu_preset.HELD_OUT_DEFAULTS), then envs.SEARCH_DEFAULTS
+    (Search-R1), then gigpo; a real model on a GPU (`gpu`: default, whether torch sees one) gets GPU_DEFAULTS."""
     gpu = torch.cuda.is_available() if gpu is None else gpu
     out = dict(TINY_DEFAULTS) if is_tiny(model) else (dict(GPU_DEFAULTS) if gpu else {})
+    out.update(cpu_preset.held_out_defaults(model, env, data_root))
     if env == "search":
         out.update(SEARCH_DEFAULTS)
     if algo == "gigpo":
@@ -266,13 +268,12 @@ def presets_for(model: str, env: str, algo: str = "", gpu: Optional[bool] = None
 def parse_args(argv=None) -> Args:
     """Args from the command line: the flags given, else the presets of --model / --env / --algo, else `Args`'
     defaults (harness/run.parse_flags). `--help` lists each flag's default and the preset values that replace it."""
-    a = parse_flags(Args, argv, lambda ns: presets_for(ns["model"], ns["env"], ns["algo"]),
-                    {"tiny": TINY_DEFAULTS, "search": SEARCH_DEFAULTS, "gigpo": GIGPO_DEFAULTS,
+    a = parse_flags(Args, argv, lambda ns: presets_for(ns["model"], ns["env"], ns["algo"], data_root=ns["data_root"]),
+                    {"tiny": TINY_DEFAULTS, "tiny on the default data": cpu_preset.HELD_OUT_DEFAULTS,
+                     "search": SEARCH_DEFAULTS, "gigpo": GIGPO_DEFAULTS,
                      "real model on GPU": GPU_DEFAULTS}, "RSIPO trainer (see train.py's docstring)")
     a.validate()
     return a
-
-
 
 
 def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> list[int]:

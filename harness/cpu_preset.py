@@ -132,6 +132,33 @@ TINY_DEFAULTS = {"lr": 5e-5, "sft_lr": 2e-3, "c_kl": 0.05, "max_new_tokens": 48,
                  "constrained": True}
 
 
+# [ours] The default run (METHOD.md §4, README): --model tiny on the shipped data/alfworld_clean, whose 60 training
+# and 60 unseen held-out games are all clean. The warm start never acts out clean unprompted (--sft_hold_out clean,
+# teacher mode: it can follow and write a clean skill) and clones only the other folders' walkthroughs, not the RL
+# games'; decoding is free, so the action the student lacks is not on an admissible list. RL must find the procedure;
+# its signal is sparse (5.8% of training episodes won at T 1), and 8,000 env steps fit ~12 min on 2 cores. α 0.1:
+# what a skill carries here holds for every game of the type, so the teacher term may weigh more than the
+# paper's 0.01 (RESULTS.md §2 compares both).
+HELD_OUT_DATA = "data/alfworld_clean"
+HELD_OUT_DEFAULTS = {"sft_hold_out": "clean", "sft_walkthroughs": "data/alfworld,data/alfworld_sft",
+                     "sft_rl_games": False, "constrained": False, "max_env_steps": 8000, "alpha": 0.1}
+_HELD_OUT_RL = ("constrained", "max_env_steps", "alpha")   # what a tiny checkpoint (no SFT) takes of them
+
+
+def held_out_defaults(model: str, env: str, data_root: str) -> dict:
+    """HELD_OUT_DEFAULTS where they apply: a tiny model on ALFWorld with --data_root HELD_OUT_DATA (the default);
+    a tiny checkpoint (no SFT, so no --sft_hold_out) gets the RL settings: decoding, budget, α."""
+    if env != "alfworld" or not is_tiny(model) or Path(data_root).resolve() != Path(HELD_OUT_DATA).resolve():
+        return {}
+    return dict(HELD_OUT_DEFAULTS) if model == "tiny" else {k: HELD_OUT_DEFAULTS[k] for k in _HELD_OUT_RL}
+
+
+def walkthrough_folders(folders: str) -> list[str]:
+    """The train-split walkthrough.json files of a comma list of folders (--sft_walkthroughs), in the listed order."""
+    return [str(p) for f in folders.split(",") if f.strip()
+            for p in sorted(Path(f.strip()).glob("json_2.1.1/train/*/*/walkthrough.json"))]
+
+
 def is_tiny(model: str) -> bool:
     """--model tiny, or a checkpoint the tiny preset wrote (warm_start/, final/): only the tiny preset
     makes word-level tokenizers."""
@@ -381,14 +408,19 @@ def search_samples(records: list[dict], retriever, args, skills: bool = False) -
 def warm_start_pairs(args, data, pool, skills: bool, as_flags: bool = True) -> list[tuple[str, str]]:
     """The tiny preset's behaviour-cloning data: ALFWorld walkthroughs or search demonstrations. ALFWorld:
     `walkthrough_samples` with the run's --sft_skill_place, --sft_hold_out, --sft_hold_out_mode and
-    --sft_hold_out_repeat (as_flags=False: every type, skills with their place: the tokenizer's texts)."""
+    --sft_hold_out_repeat (as_flags=False: every type, skills with their place: the tokenizer's texts).
+    `skills`: add the skill samples (opsd, rsipo). [ours] With a procedure held out every algorithm gets them: the
+    held-out type's only acting samples carry a skill, so without them grpo's warm start would never have seen the
+    type done; with them all algorithms start from the same warm start and differ in RL alone."""
+    skills = skills or bool(args.sft_hold_out and as_flags)
     if args.env == "search":
         return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
-    extra = sorted(str(p) for p in Path(args.sft_walkthroughs).glob("json_2.1.1/*/*/*/walkthrough.json")) \
-        if args.sft_walkthroughs and not args.sft_data else []
+    own = list(data.train) if args.sft_rl_games or not as_flags else []
+    extra = [] if args.sft_data else [w for w in walkthrough_folders(args.sft_walkthroughs)
+                                      if Path(w).parent not in {Path(g).parent for g in own}]
     flags = dict(skill_place=args.sft_skill_place, hold_out=args.sft_hold_out, hold_out_mode=args.sft_hold_out_mode,
                  hold_out_repeat=args.sft_hold_out_repeat) if as_flags else {}
-    return walkthrough_samples(list(data.train) + extra, args.history_len, skills=skills, **flags)
+    return walkthrough_samples(own + extra, args.history_len, skills=skills, **flags)
 
 
 def tokenizer_texts(args, data, pool) -> list[str]:

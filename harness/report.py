@@ -207,10 +207,12 @@ def _step_range(train, evals, summary):
     return lo - pad, hi + pad
 
 
-def _order_types(types) -> list:
+def _order_types(types, first: str = "") -> list:
+    """TYPE_ORDER, then other types sorted, then search's source mean; `first` (a held-out type) leads."""
     types = set(types)
-    return [t for t in TYPE_ORDER if t in types] + sorted(types - set(TYPE_ORDER) - {"source_mean"}) + \
+    order = [t for t in TYPE_ORDER if t in types] + sorted(types - set(TYPE_ORDER) - {"source_mean"}) + \
         ["source_mean"] * ("source_mean" in types)
+    return [first] * (first in types) + [t for t in order if t != first]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,6 +471,11 @@ def section_header(name, config, summary, train, notes, date) -> str:
     out = [f"<h1>Run report: {_esc(name)}</h1>", f'<div class="meta">{"".join(meta)}</div>']
     out.append(f'<p class="headline">{" &nbsp;·&nbsp; ".join(head)}</p>' if head
                else _note("No held-out evaluation in summary.json (a run with --eval false, or unfinished)."))
+    held = config.get("sft_hold_out")
+    if held:
+        out.append(_note(f"The warm start held out the {held} procedure (--sft_hold_out {held}, "
+                         f"{config.get('sft_hold_out_mode', 'teacher')} mode): it never acted a {held} game without a "
+                         f"skill, so what the student gains on {held} games RL found. Its row leads the table by type."))
     out += [_note(text) for text in notes]
     return "\n".join(out)
 
@@ -487,8 +494,9 @@ def section_curves(train, evals, summary, plot_dir) -> str:
     return "\n".join(out)
 
 
-def _by_type_table(summary, evals):
-    """[(type, start, end)]: 'all' first, then each task type either evaluation scored."""
+def _by_type_table(summary, evals, held: str = ""):
+    """[(type, start, end)]: the held-out type first ('<type> (held out)'), then 'all', then each other task type
+    either evaluation scored."""
     def per_type(d, prefix):
         return {k[len(prefix):]: _num(v) for k, v in d.items()
                 if k.startswith(prefix) and k != "eval/success_at_start"}
@@ -499,15 +507,16 @@ def _by_type_table(summary, evals):
         end_all = _num(evals[-1].get("eval/success"))
     else:
         end_all = _num(summary.get("eval/success"))
-    types = _order_types(set(start) | set(end))
+    types = _order_types(set(start) | set(end), first=held)
     if not types:
         return []
-    return [("all", _num(summary.get("eval/success_at_start")), end_all)] + \
-           [(t, start.get(t), end.get(t)) for t in types]
+    rows = [(t, start.get(t), end.get(t)) for t in types]
+    lead = [(f"{held} (held out)", *rows.pop(0)[1:])] if held in types else []
+    return lead + [("all", _num(summary.get("eval/success_at_start")), end_all)] + rows
 
 
-def section_by_type(summary, evals, plot_dir) -> str:
-    table = _by_type_table(summary, evals)
+def section_by_type(summary, evals, plot_dir, held: str = "") -> str:
+    table = _by_type_table(summary, evals, held)
     if not table:
         return _note("Held-out success by task type: left out (no per-type evaluation in summary.json "
                      "or metrics.jsonl).")
@@ -694,7 +703,7 @@ def write_report(run_dir) -> Path:
     body = [
         _guard("Header", section_header, name, config, summary, train, notes, _date(run_dir)),
         _guard("Learning curves", section_curves, train, evals, summary, plot_dir),
-        _guard("Held-out success by task type", section_by_type, summary, evals, plot_dir),
+        _guard("Held-out success by task type", section_by_type, summary, evals, plot_dir, config.get("sft_hold_out", "")),
         _guard("RSIPO internals", section_rsipo, train, evals, summary, plot_dir),
         _guard("Trust check", section_calibration, calib, cal_note, plot_dir),
         _guard("Skill bank", section_bank, bank, b_note),

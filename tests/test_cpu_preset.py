@@ -78,6 +78,63 @@ def test_warm_start_adds_the_walkthrough_only_games(tmp_path):
         T.parse_args(["--sft_walkthroughs", str(tmp_path / "missing")])
 
 
+def test_walkthrough_folders_read_the_train_split_of_each_folder_in_order(tmp_path):
+    for root, split, name in [("b", "train", "t1"), ("b", "valid_unseen", "v1"), ("a", "train", "t2"),
+                              ("a", "train", "t0")]:
+        d = tmp_path / root / "json_2.1.1" / split / name / "trial"
+        d.mkdir(parents=True)
+        (d / "walkthrough.json").write_text("{}")
+    got = [str(Path(p).relative_to(tmp_path).parts[0]) + "/" + Path(p).parent.parent.name
+           for p in cpu_preset.walkthrough_folders(f"{tmp_path / 'b'}, {tmp_path / 'a'}")]
+    assert got == ["b/t1", "a/t0", "a/t2"]           # b first as listed; no valid_unseen game (it is held out)
+    assert cpu_preset.walkthrough_folders("") == []
+    with pytest.raises(SystemExit, match=r"--sft_walkthroughs folder not found: .*missing"):
+        T.parse_args(["--sft_walkthroughs", f"{tmp_path / 'a'},{tmp_path / 'missing'}"])
+    with pytest.raises(SystemExit, match="--sft_rl_games false with no --sft_walkthroughs"):
+        T.parse_args(["--sft_rl_games", "false", "--sft_walkthroughs", ""])
+
+
+def test_the_default_run_is_the_held_out_clean_setting_and_other_data_keep_the_tiny_defaults(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    d = T.parse_args([])
+    assert (d.data_root, d.sft_hold_out, d.sft_hold_out_mode, d.sft_rl_games, d.constrained, d.max_env_steps,
+            d.alpha) == ("data/alfworld_clean", "clean", "teacher", False, False, 8000, 0.1)
+    assert d.sft_walkthroughs == "data/alfworld,data/alfworld_sft" and d.lr == 5e-5   # still the tiny preset
+    assert T.parse_args(["--constrained", "true"]).constrained is True                # a flag given wins
+    for other in (["--data_root", "data/alfworld"], ["--model", "org/x"], ["--env", "search"]):
+        a = T.parse_args(other)
+        assert (a.sft_hold_out, a.max_env_steps, a.sft_rl_games, a.alpha) == ("", 0, True, 0.01), other
+    assert T.parse_args(["--data_root", "data/alfworld"]).constrained is True
+    # a tiny checkpoint on the default data: the same decoding and budget, no SFT hold-out (it trains no SFT)
+    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1"])
+    tok.save_pretrained(tmp_path)
+    c = T.parse_args(["--model", str(tmp_path)])
+    assert (c.sft_hold_out, c.constrained, c.max_env_steps, c.alpha) == ("", False, 8000, 0.1)
+
+
+def test_the_default_warm_start_clones_the_other_folders_not_the_rl_games(monkeypatch):
+    import types
+    from infra.env_backends import list_games
+
+    def pairs(argv, **kw):
+        monkeypatch.chdir(ROOT)
+        a = T.parse_args(argv)
+        return cpu_preset.warm_start_pairs(a, types.SimpleNamespace(train=list_games(a.data_root, "train")), None,
+                                           skills=a.uses_skills, **kw)
+    default = pairs([])
+    # the same samples as the clean-held-out warm start built on data/alfworld (its RL games plus data/alfworld_sft)
+    assert default == pairs(["--data_root", "data/alfworld", "--sft_hold_out", "clean"])
+    assert len(pairs(["--sft_rl_games", "true"])) > len(default)         # the flag is what leaves the RL games out
+    # with a procedure held out, grpo clones the same samples (else it would never see clean done at all) ...
+    assert pairs(["--algo", "grpo"]) == default
+    # ... and without one, walkthroughs only (no skill samples), as before
+    assert len(pairs(["--algo", "grpo", "--data_root", "data/alfworld"])) < \
+        len(pairs(["--algo", "rsipo", "--data_root", "data/alfworld"]))
+    # the tokenizer's texts still cover the RL games (their walkthroughs are in as_flags=False)
+    texts = pairs([], as_flags=False)
+    assert len(texts) > len(default) and default[0] in texts
+
+
 def test_skill_conditioned_turns_follow_the_informed_trace(tmp_path):
     import shutil
     from infra.env_backends import list_games
@@ -181,5 +238,6 @@ def test_hold_out_flag_is_checked_before_any_compute(tmp_path, capsys):
         T.parse_args(["--sft_hold_out", "heat", "--sft_hold_out_mode", "both"])
     assert "--sft_hold_out_mode" in str(e.value)
     with pytest.raises(SystemExit) as e:           # a split without the type: RL could not find it
-        T.main(["--sft_hold_out", "heat", "--task_types", "pick,cool", "--out_dir", str(tmp_path)])
+        T.main(["--data_root", "data/alfworld", "--sft_hold_out", "heat", "--task_types", "pick,cool", "--out_dir",
+                str(tmp_path)])
     assert "--sft_hold_out heat" in str(e.value) and "has no game of that type" in str(e.value)

@@ -203,3 +203,22 @@ def test_trust_check_section(tmp_path):
 def test_no_trust_check_without_calibration(tmp_path):
     _write(tmp_path, "metrics.jsonl", _metrics([_train_row(1)]))
     assert "Trust check" not in R.write_report(tmp_path).read_text()
+
+
+def test_held_out_type_leads_the_table_by_type(tmp_path):
+    run = tmp_path / "h"
+    run.mkdir()
+    _write(run, "config.json", {"run_name": "h", "algo": "grpo", "sft_hold_out": "heat", "sft_hold_out_mode": "teacher"})
+    _write(run, "summary.json", {"eval/success_at_start": 0.3, "eval/success": 0.4,
+                                 "eval_at_start/success_pick": 0.5, "eval/success_pick": 0.5,
+                                 "eval_at_start/success_heat": 0.1, "eval/success_heat": 0.3})
+    _write(run, "metrics.jsonl", _metrics([_train_row(1)]))
+    assert R._by_type_table(json.loads((run / "summary.json").read_text()), [], "heat") == \
+        [("heat (held out)", 0.1, 0.3), ("all", 0.3, 0.4), ("pick", 0.5, 0.5)]
+    assert [t for t, _, _ in R._by_type_table(json.loads((run / "summary.json").read_text()), [])] == \
+        ["all", "pick", "heat"]                                       # no hold-out: the usual order
+    page = R.write_report(run).read_text()
+    assert "held out the heat procedure (--sft_hold_out heat, teacher mode)" in page
+    rows = re.findall(r"<tr><td>([^<]*)</td>", page)
+    assert rows[:3] == ["heat (held out)", "all", "pick"]
+    assert "+20.0" in page                                            # heat's change, 10% → 30%
