@@ -1,6 +1,6 @@
 """RSIPO trainer: the config, the warm start, and the RL loop, one step of which runs the method's sections in order.
 
-    python train.py                                   # the tiny CPU default: RSIPO, ~12 min on 2 cores
+    python train.py                                   # the tiny CPU default (clean held out): RSIPO, ~10 min on 2 cores
     python train.py --algo grpo                       # the GRPO baseline (--algo opsd: SEED/SDAR-style)
     torchrun --nproc_per_node 2 train.py --steps 2 --sft_steps 40 --tasks_per_step 2 --group_size 2
     python train.py --model smollm2 --steps 2 ...     # a real pretrained model on CPU (README)

@@ -136,9 +136,9 @@ TINY_DEFAULTS = {"lr": 5e-5, "sft_lr": 2e-3, "c_kl": 0.05, "max_new_tokens": 48,
 # and 60 unseen held-out games are all clean. The warm start never acts out clean unprompted (--sft_hold_out clean,
 # teacher mode: it can follow and write a clean skill) and clones only the other folders' walkthroughs, not the RL
 # games'; decoding is free, so the action the student lacks is not on an admissible list. RL must find the procedure;
-# its signal is sparse (5.8% of training episodes won at T 1), and 8,000 env steps fit ~12 min on 2 cores. α 0.1:
+# its signal is sparse (5.8% of training episodes won at T 1), and 8,000 env steps fit ~10 min on 2 cores. α 0.1:
 # what a skill carries here holds for every game of the type, so the teacher term may weigh more than the
-# paper's 0.01 (RESULTS.md §2 compares both).
+# paper's 0.01; measured, both give RSIPO the same mean gain here (RESULTS.md §2).
 HELD_OUT_DATA = "data/alfworld_clean"
 HELD_OUT_DEFAULTS = {"sft_hold_out": "clean", "sft_walkthroughs": "data/alfworld,data/alfworld_sft",
                      "sft_rl_games": False, "constrained": False, "max_env_steps": 8000, "alpha": 0.1}
