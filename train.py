@@ -22,8 +22,8 @@ Choices, all **[ours]** (METHOD.md §5 gives the reasons):
    synced after every update: the CPU analogue of pushing weights into vLLM; no-grad passes need no FSDP
    collectives. With vLLM (GPU) there is no copy: the FSDP2 policy scores π_old before the update.
 2. Config: `Args` holds the released settings a real model gets; `--model tiny` (or a checkpoint of the
-   tiny preset) takes TINY_DEFAULTS, `--env search` SEARCH_DEFAULTS, for the flags not given; `--help`
-   shows both, and the run prints and saves its resolved config (config.json).
+   tiny preset) takes TINY_DEFAULTS (on the default data also HELD_OUT_DEFAULTS), `--env search` SEARCH_DEFAULTS,
+   for the flags not given; `--help` shows them, and the run prints and saves its resolved config (config.json).
 3. RL tasks are drawn evenly over task types (`--tasks_by_type`, `draw_tasks`) or uniformly (the papers').
 4. `--drop_zero_adv` leaves advantage-0 turns without a teacher out of the update; `--opsd_keep p` keeps a
    fraction p of the teacher-only ones (their only signal is the OPSD term).
