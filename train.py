@@ -197,11 +197,11 @@ class Args:
                 bad(f, f"must be one of {', '.join(map(str, options))}, got {getattr(self, f)!r}")
         if self.calibrate and self.algo != "rsipo":
             bad("calibrate", f"> 0 needs --algo rsipo (got {self.algo})")
-        missing = [f for f in self.sft_walkthroughs.split(",") if f.strip() and not Path(f.strip()).is_dir()]
+        missing = [f for f in cpu_preset.folder_list(self.sft_walkthroughs) if not Path(f).is_dir()]
         if missing and self.model == "tiny" and self.env == "alfworld" and not self.sft_data:
             bad("sft_walkthroughs", f"folder not found: {missing[0]} (make it with scripts/alfworld_gen.py "
                 "--walkthroughs_only, see README, or pass --sft_walkthroughs '')")
-        if not (self.sft_rl_games or self.sft_walkthroughs.strip(", ") or self.sft_data) and self.model == "tiny":
+        if not (self.sft_rl_games or cpu_preset.folder_list(self.sft_walkthroughs) or self.sft_data) and self.model == "tiny":
             bad("sft_rl_games", "false with no --sft_walkthroughs leaves the warm start nothing to clone")
         if self.sft_data and not Path(self.sft_data).is_file():
             bad("sft_data", f"file not found: {self.sft_data}")

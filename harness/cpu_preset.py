@@ -153,10 +153,14 @@ def held_out_defaults(model: str, env: str, data_root: str) -> dict:
     return dict(HELD_OUT_DEFAULTS) if model == "tiny" else {k: HELD_OUT_DEFAULTS[k] for k in _HELD_OUT_RL}
 
 
+def folder_list(folders: str) -> list[str]:
+    """The folders of a comma list (--sft_walkthroughs), blanks dropped."""
+    return [f.strip() for f in folders.split(",") if f.strip()]
+
+
 def walkthrough_folders(folders: str) -> list[str]:
     """The train-split walkthrough.json files of a comma list of folders (--sft_walkthroughs), in the listed order."""
-    return [str(p) for f in folders.split(",") if f.strip()
-            for p in sorted(Path(f.strip()).glob("json_2.1.1/train/*/*/walkthrough.json"))]
+    return [str(p) for f in folder_list(folders) for p in sorted(Path(f).glob("json_2.1.1/train/*/*/walkthrough.json"))]
 
 
 def is_tiny(model: str) -> bool:
@@ -416,8 +420,9 @@ def warm_start_pairs(args, data, pool, skills: bool, as_flags: bool = True) -> l
     if args.env == "search":
         return search_samples([data.records[i] for i in data.train], pool.retriever, args, skills)
     own = list(data.train) if args.sft_rl_games or not as_flags else []
+    own_dirs = {Path(g).parent for g in own}
     extra = [] if args.sft_data else [w for w in walkthrough_folders(args.sft_walkthroughs)
-                                      if Path(w).parent not in {Path(g).parent for g in own}]
+                                      if Path(w).parent not in own_dirs]
     flags = dict(skill_place=args.sft_skill_place, hold_out=args.sft_hold_out, hold_out_mode=args.sft_hold_out_mode,
                  hold_out_repeat=args.sft_hold_out_repeat) if as_flags else {}
     return walkthrough_samples(own + extra, args.history_len, skills=skills, **flags)

@@ -207,12 +207,10 @@ def _step_range(train, evals, summary):
     return lo - pad, hi + pad
 
 
-def _order_types(types, first: str = "") -> list:
-    """TYPE_ORDER, then other types sorted, then search's source mean; `first` (a held-out type) leads."""
+def _order_types(types) -> list:
     types = set(types)
-    order = [t for t in TYPE_ORDER if t in types] + sorted(types - set(TYPE_ORDER) - {"source_mean"}) + \
+    return [t for t in TYPE_ORDER if t in types] + sorted(types - set(TYPE_ORDER) - {"source_mean"}) + \
         ["source_mean"] * ("source_mean" in types)
-    return [first] * (first in types) + [t for t in order if t != first]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,12 +505,12 @@ def _by_type_table(summary, evals, held: str = ""):
         end_all = _num(evals[-1].get("eval/success"))
     else:
         end_all = _num(summary.get("eval/success"))
-    types = _order_types(set(start) | set(end), first=held)
+    types = _order_types(set(start) | set(end))
     if not types:
         return []
-    rows = [(t, start.get(t), end.get(t)) for t in types]
-    lead = [(f"{held} (held out)", *rows.pop(0)[1:])] if held in types else []
-    return lead + [("all", _num(summary.get("eval/success_at_start")), end_all)] + rows
+    lead = [(f"{held} (held out)", start.get(held), end.get(held))] if held in types else []
+    return lead + [("all", _num(summary.get("eval/success_at_start")), end_all)] + \
+        [(t, start.get(t), end.get(t)) for t in types if t != held]
 
 
 def section_by_type(summary, evals, plot_dir, held: str = "") -> str:
