@@ -66,9 +66,34 @@ def test_imports_only_go_down():
             visit(m, [m])
 
 
+def code_lines(source: str) -> int:
+    """Lines that hold code: docstrings, comments and blank lines are not counted (a file may grow by
+    explaining itself, or by un-joining a line, without coming nearer its limit)."""
+    import io
+    import tokenize
+    doc = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                doc |= set(range(first.lineno, first.end_lineno + 1))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
+            tokenize.ENDMARKER}
+    lines = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            lines |= set(range(tok.start[0], tok.end[0] + 1))
+    return len(lines - doc)
+
+
+def test_code_lines_count_code_only():
+    src = '"""doc\nstring"""\n\n# a comment\nx = (1,\n     2)  # trailing\n\ndef f():\n    """doc"""\n    return x\n'
+    assert code_lines(src) == 4        # x = (1, / 2) / def f(): / return x
+
+
 def test_the_six_files_stay_within_their_size():
-    lines = {m: len((ROOT / f"{m}.py").read_text().splitlines()) for m in CONCEPT}
-    assert sum(lines.values()) <= 3500 and max(lines.values()) <= 800, lines
+    lines = {m: code_lines((ROOT / f"{m}.py").read_text()) for m in CONCEPT}
+    assert sum(lines.values()) <= 2400, lines
     for m in CONCEPT:
         for node in ast.walk(ast.parse((ROOT / f"{m}.py").read_text())):
             if isinstance(node, ast.FunctionDef):
