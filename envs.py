@@ -10,7 +10,8 @@ Contract
 * A pool, what `rollout.run_episodes` drives: `reset(tasks) -> [(obs, info)]` (a task may repeat:
   each copy is its own episode), `step(actions) -> [(obs, reward, done, info) or None]` (None once
   an episode is over), `active`, `stats`, `close()` or `with`; and its env family's `task_key`,
-  `task_prefix`, `stop_texts`, `build_prompt` (the turn prompt) and `parse_action` (pure functions).
+  `task_prefix`, `stop_texts`, `build_prompt` (the turn prompt), `parse_action` and `task_terms` (what a
+  skill for the task must name, train.write_skills' skill rule) (pure functions).
 * ALFWorld: `AlfWorldEnv(max_steps=50)` plays a gamefile on the real engine, reward `R_WIN` = 10 on
   the winning step, prompt: the verl-agent/GiGPO template in our words. `EnvPool(num_workers,
   max_steps, step_timeout, env_class=AlfWorldEnv)` runs the episodes in worker processes.
@@ -42,6 +43,8 @@ Choices the paper leaves open, all **[ours]** (details in the docstring named):
    lock-step under `timeout`; a failed one fails the episodes that searched (`SearchPool`).
 9. Each search turn is a fresh prompt (question + last turns), as for ALFWorld, where Search-R1
    appends to one growing context (`build_search_prompt`).
+10. The skill rule's terms (`task_terms`, `names_task`): an ALFWorld skill must name the object and the
+    target of its task sentence, read off the template; a search skill has no such terms.
 
 Test: tests/test_envs.py, tests/test_search.py; speed: scripts/bench_env.py, scripts/bench_search.py.
 """
@@ -235,6 +238,37 @@ def parse_action(text: str) -> str | None:
     return action
 
 
+# The task sentences of ALFWorld's goal templates (alfworld's goal_library), each naming the object and the
+# target: the receptacle, or for look the lamp.
+_TASK_TEMPLATES = [re.compile(p) for p in (
+    r"^put a (?:clean|hot|cool) (?P<obj>[a-z0-9]+) (?:in|on) (?P<target>[a-z0-9]+)\.?$",
+    r"^(?:clean|heat|cool) some (?P<obj>[a-z0-9]+) and put it (?:in|on) (?P<target>[a-z0-9]+)\.?$",
+    r"^put two (?P<obj>[a-z0-9]+) (?:in|on) (?P<target>[a-z0-9]+)\.?$",
+    r"^find two (?P<obj>[a-z0-9]+) and put them (?:in|on) (?P<target>[a-z0-9]+)\.?$",
+    r"^put (?:a|some) (?P<obj>[a-z0-9]+) (?:in|on) (?P<target>[a-z0-9]+)\.?$",
+    r"^look at (?P<obj>[a-z0-9]+) under the (?P<target>[a-z0-9]+)\.?$",
+    r"^examine the (?P<obj>[a-z0-9]+) with the (?P<target>[a-z0-9]+)\.?$")]
+
+
+def task_terms(task: str) -> tuple[str, ...]:
+    """The object and the target an ALFWorld task sentence names ("put a clean apple in fridge." → (apple,
+    fridge)), or () for a sentence of no known template: the words a skill for the task must name under the
+    skill rule (`names_task`)."""
+    text = " ".join(task.lower().split())
+    for pattern in _TASK_TEMPLATES:
+        m = pattern.match(text)
+        if m:
+            return m["obj"], m["target"]
+    return ()
+
+
+def names_task(skill: str, terms) -> bool:
+    """[ours] The skill rule: the skill names every one of `terms` (a word that starts with it: "apples" names
+    apple). It reads only the task line the policy sees, so it uses no hidden information."""
+    words = re.sub(r"[^a-z0-9]+", " ", skill.lower()).split()
+    return all(any(w.startswith(t) for w in words) for t in terms)
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker pool
 
@@ -269,6 +303,7 @@ class EnvPool:
     stop_texts = ("</action>",)
     build_prompt = staticmethod(build_prompt)
     parse_action = staticmethod(parse_action)
+    task_terms = staticmethod(task_terms)
 
     def __init__(self, num_workers: int = 2, max_steps: int = 50, step_timeout: float = 30.0,
                  reset_timeout: float = 120.0, start_timeout: float = 120.0,
@@ -638,6 +673,11 @@ class SearchEnv:
         return self.apply(action_text, hits[:self.top_k])
 
 
+def search_task_terms(question: str) -> tuple[str, ...]:
+    """A question names no object and target of a fixed template: the skill rule asks nothing of search skills."""
+    return ()
+
+
 class SearchPool:
     """Many SearchEnv episodes stepped in lock-step, in-process (search is cheap; no workers).
 
@@ -658,6 +698,7 @@ class SearchPool:
     stop_texts = SEARCH_STOP_TEXTS
     build_prompt = staticmethod(build_search_prompt)
     parse_action = staticmethod(parse_search_action)
+    task_terms = staticmethod(search_task_terms)
 
     def __init__(self, retriever, tasks, max_turns: int = 4, top_k: int = 3, timeout: float = 1.0, batch: int = 32):
         if not isinstance(tasks, dict):

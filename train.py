@@ -27,8 +27,11 @@ Choices, all **[ours]** (METHOD.md §5 gives the reasons):
 3. RL tasks are drawn evenly over task types (`--tasks_by_type`, `draw_tasks`) or uniformly (the papers').
 4. `--drop_zero_adv` leaves advantage-0 turns without a teacher out of the update; `--opsd_keep p` keeps a
    fraction p of the teacher-only ones (their only signal is the OPSD term).
-5. The analyzer reads a won episode of the task when there is one; a task whose replay hit an env error
-   is left out of trust and Eq. 5; a replay that agrees entirely with its control gives no teacher.
+5. The analyzer reads a won episode of the task when there is one, and a group with no win writes no skill
+   (--skill_groups); a skill must name its task's object and target (--skill_rule); the replay's control is
+   M fresh skill-free episodes, never the group the source was chosen from (--replay_control, METHOD.md
+   §2.4); a task whose replay hit an env error is left out of trust and Eq. 5; a replay that agrees entirely
+   with its control gives no teacher.
 6. Evaluation samples at T 0.4 with common random numbers (rollout.evaluate); the held-out gain is paired
    over games (`eval/gain` ± `eval/gain_se`).
 """
@@ -49,7 +52,7 @@ from tqdm import tqdm
 
 import rsipo
 import shrinkage
-from envs import SEARCH_DEFAULTS
+from envs import SEARCH_DEFAULTS, names_task
 from harness import cpu_preset
 from harness.cpu_preset import TINY_DEFAULTS, is_tiny
 from harness.run import (Preempted, Preemption, Run, Timer, build_policy, compute_dtype, evaluate_and_print, finish,
@@ -144,6 +147,18 @@ class Args:
     # --- RSIPO (METHOD.md §2.3-2.9; ignored by --algo grpo) ---
     trust: str = arg("eb", "teacher trust: eb (Eq. 6-9) | raw (no shrinkage) | one (λ ≡ 1, SEED-like)")
     replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours])")
+    replay_control: str = arg("fresh", "[ours] the skill-free control of Eq. (3), independent of the choice of the skill's "
+                              "source: fresh (M skill-free episodes played beside the M replays) | split (the source "
+                              "comes from the first N/2 rollouts, the other N/2 are the control) | group (all N "
+                              "rollouts, the source's own group: biased where success is low, METHOD.md §2.4)")
+    skill_groups: str = arg("won", "[ours] which tasks write a skill: won (those whose source episodes hold a win; "
+                            "a group with none writes no skill) | all (a group with no win writes avoidance rules "
+                            "from a lost episode, the published description)")
+    teacher_skill: str = arg("own", "[ours] a diagnostic of the teacher channel: the skill of each task's teacher is "
+                             "own (written by the policy, Eq. 2) | generic (the tiny preset's type-level workflow of "
+                             "its game, privileged: the most the teacher term can carry; --algo opsd, ALFWorld)")
+    skill_rule: bool = arg(True, "[ours] a skill that does not name its task's object and target (read off the task "
+                           "line, envs.task_terms) is invalid like an unparsable one: retried once, then r_bad")
     alpha: float = arg(0.01, "α: OPSD coefficient, Eq. (12)")
     beta: float = arg(5.0, "β: gate sharpness, Eq. (11)")
     eta: float = arg(0.1, "η: skill-writing loss coefficient, Eq. (12) [ours]")
@@ -195,6 +210,8 @@ class Args:
         for f, options in CHOICES.items():
             if getattr(self, f) not in options:
                 bad(f, f"must be one of {', '.join(map(str, options))}, got {getattr(self, f)!r}")
+        if self.teacher_skill == "generic" and (self.algo != "opsd" or self.env != "alfworld"):
+            bad("teacher_skill", f"generic needs --algo opsd and --env alfworld (got {self.algo}, {self.env})")
         if self.calibrate and self.algo != "rsipo":
             bad("calibrate", f"> 0 needs --algo rsipo (got {self.algo})")
         missing = [f for f in cpu_preset.folder_list(self.sft_walkthroughs) if not Path(f).is_dir()]
@@ -237,6 +254,7 @@ RULES = [
     (("gpu_memory_utilization",), lambda v: 0 < v < 1, "in (0, 1)"),
 ]
 CHOICES = {"algo": ("grpo", "gigpo", "opsd", "rsipo"), "trust": ("eb", "raw", "one"), "env": ("alfworld", "search"),
+           "replay_control": ("fresh", "split", "group"), "skill_groups": ("won", "all"), "teacher_skill": ("own", "generic"),
            "dtype": ("auto", "float32", "bfloat16"), "engine": ("hf", "vllm"), "vllm_sleep_level": (1, 2),
            "sft_hold_out_mode": cpu_preset.HOLD_OUT_MODES}
 
@@ -419,7 +437,10 @@ class TaskRecord:
     """One task of a step: what write_skills, replay and trust compute for it. Gathered once a step."""
     task_id: str
     task_type: str
+    source: Optional[str] = None          # the outcome of the episode the skill was written from: "won" or "lost"
+                                          # ("generic": --teacher_skill generic); None = no skill written
     skill: Optional[str] = None           # Eq. (2): the parsed skill; None when invalid or not written
+    rule_failed: bool = False             # the last answer parsed but broke the skill rule (--skill_rule)
     gain: float = 0.0                     # g_q, Eq. (3); r_bad until a replay measures it
     var: float = 0.0                      # v_q, Eq. (4)
     replay_ok: bool = False               # a valid skill whose replays ran without env errors
@@ -506,23 +527,56 @@ def rollout_and_advantages(run: Run) -> Batch:
     return Batch(tasks, eps, turns, adv.tolist(), records, metrics=metrics)
 
 
+def source_and_control(group: list[Episode], design: str) -> tuple[list[Episode], list[Episode]]:
+    """[ours] (--replay_control) The rollouts of one task that the skill's source may be drawn from, and those
+    that are the skill-free control of Eq. (3): split, the first N/2 and the other N/2; fresh, all N and none
+    (the control is played beside the replays); group, all N and all N. Only a control that had no part in
+    choosing the source measures the skill without bias (METHOD.md §2.4)."""
+    if design == "split":
+        half = len(group) // 2
+        return group[:half], group[half:]
+    return group, (group if design == "group" else [])
+
+
 def write_skills(run: Run, b: Batch):
-    """Eq. (2): for each task the policy reads one of its episodes (a won one if any [ours]) through the
-    analyzer prompt and writes a skill; an unparsable answer is retried once (§2.3). An analyzer prompt
-    shows the episode's latest steps that fit the prompt budget; one that cannot fit writes no skill."""
+    """Eq. (2): for each task the policy reads one of its episodes through the analyzer prompt and writes a
+    skill. The source is a won episode when there is one [ours]; a group with no win writes avoidance rules
+    from a lost episode (--skill_groups all) or no skill (won [ours]). An answer that does not parse, or that
+    breaks the skill rule (--skill_rule [ours]: it must name the task's object and target), is retried once
+    (§2.3). An analyzer prompt shows the episode's latest steps that fit the prompt budget; one that cannot
+    fit writes no skill."""
     a = run.args
-    chosen = [run.skill_rng.choice([e for e in grp if e.won] or grp) for grp in by_task(b.eps, a.group_size)]
-    prompts = [fit_prompt(lambda n, e=e: analyzer_prompt(e.task, e.won, e.steps, a.skill_max_words, max_steps=n),
+    b.skill_gens = [Generation("", [], [], [])] * len(b.records)
+    if a.teacher_skill == "generic":      # [ours] the diagnostic: every teacher gets its game's type-level workflow
+        for rec in b.records:
+            rec.source, rec.skill = "generic", run.generic_skill(rec.task_id)
+            rec.replay_ok = rec.skill is not None
+        return
+    chosen: list[Optional[Episode]] = []
+    for rec, group in zip(b.records, by_task(b.eps, a.group_size)):
+        candidates, _ = source_and_control(group, a.replay_control)
+        won = [e for e in candidates if e.won]
+        if won or a.skill_groups == "all":
+            source = run.skill_rng.choice(won or candidates)
+            rec.source = "won" if source.won else "lost"
+            chosen.append(source)
+        else:
+            chosen.append(None)           # [ours] no win to distil: no skill, no replay, no teacher
+    prompts = [None if e is None else
+               fit_prompt(lambda n, e=e: analyzer_prompt(e.task, e.won, e.steps, a.skill_max_words, max_steps=n),
                           ANALYZER_MAX_STEPS, run.engine.prompt_len, a.max_prompt_tokens) for e in chosen]
-    b.skill_gens = [Generation("", [], [], [])] * len(chosen)
-    for attempt in range(2):              # the first try, then one retry of the unparsable ones
+    for attempt in range(2):              # the first try, then one retry of the invalid ones
         todo = [k for k, p in enumerate(prompts) if p is not None and (attempt == 0 or b.records[k].skill is None)]
         if not todo:
             break
         gens = run.engine.generate([prompts[k] for k in todo], temperature=a.skill_temperature,
                                    max_new_tokens=a.skill_max_tokens, stop=False)
-        for k, g in zip(todo, gens):
-            b.skill_gens[k], b.records[k].skill = g, parse_skill(g.text, a.skill_max_words)
+        for k, gen in zip(todo, gens):
+            rec = b.records[k]
+            skill = parse_skill(gen.text, a.skill_max_words)
+            terms = run.pool.task_terms(chosen[k].task)
+            rec.rule_failed = bool(skill) and a.skill_rule and not names_task(skill, terms)
+            b.skill_gens[k], rec.skill = gen, None if rec.rule_failed else skill
     for rec in b.records:
         rec.replay_ok = rec.skill is not None
         if rec.skill and run.skill_facts is not None:
@@ -531,21 +585,28 @@ def write_skills(run: Run, b: Batch):
 
 def replay(run: Run, b: Batch):
     """Eq. (3)-(4) (§2.4): M episodes of each task with its skill inserted after the task line of every
-    prompt, from the same start, against the N student episodes as the control."""
+    prompt, from the same start, against a skill-free control that did not choose the source
+    (--replay_control [ours]: M fresh episodes played in the same lock-step, or the rollouts of the other half)."""
     a, N = run.args, run.args.group_size
     M = a.replay_m or max(1, N // 2)      # [ours] M = N/2 by default
     idx = [k for k, r in enumerate(b.records) if r.skill is not None]
-    b.replay_eps = run_episodes(run.engine, run.pool, [b.tasks[k] for k in idx], M, history_len=a.history_len,
+    tasks = [b.tasks[k] for k in idx]
+    fresh = a.replay_control == "fresh"
+    # the replays (the first len(idx) tasks, each with its skill) and, for fresh, the same tasks without one
+    b.replay_eps = run_episodes(run.engine, run.pool, tasks + tasks if fresh else tasks, M, history_len=a.history_len,
                                 skills={j: b.records[k].skill for j, k in enumerate(idx)},
                                 temperature=a.temperature, constrained=a.constrained) if idx else []
-    controls = by_task(b.eps, N)
-    for k, reps in zip(idx, by_task(b.replay_eps, M)):
-        rec, control = b.records[k], [e.reward for e in controls[k]]
-        if any(e.error for e in reps):    # left out of trust and Eq. (5), counted in replay/failed
+    played = by_task(b.replay_eps, M)
+    groups = by_task(b.eps, N)
+    for j, k in enumerate(idx):
+        rec, reps = b.records[k], played[j]
+        control = played[len(idx) + j] if fresh else source_and_control(groups[k], a.replay_control)[1]
+        if any(e.error for e in reps + control):   # left out of trust and Eq. (5), counted in replay/failed
             rec.replay_ok = False
             continue
-        rec.gain, rec.var = shrinkage.replay_gain([e.reward for e in reps], control, a.r_win)       # Eq. (3)-(4)
-        rec.informative = shrinkage.replay_informative([e.reward for e in reps], control)
+        rewards, control_rewards = [e.reward for e in reps], [e.reward for e in control]
+        rec.gain, rec.var = shrinkage.replay_gain(rewards, control_rewards, a.r_win)   # Eq. (3)-(4)
+        rec.informative = shrinkage.replay_informative(rewards, control_rewards)
 
 
 def share_records(b: Batch) -> list[TaskRecord]:
@@ -559,28 +620,41 @@ def share_records(b: Batch) -> list[TaskRecord]:
 
 
 def skill_rewards(run: Run, b: Batch, recs: list[TaskRecord]):
-    """Eq. (5) (§2.5, rsipo): the skill-writing advantage over the tasks with a skill reward (the replay gain;
-    an invalid skill: r_bad), against running means per task type; and the skills' metrics."""
+    """Eq. (5) (§2.5, rsipo): the skill-writing advantage over the tasks that wrote a skill and have a skill
+    reward (the replay gain; an invalid skill: r_bad), against running means per task type; and the skills'
+    metrics, also by the outcome of the episode each skill was written from (won / lost)."""
     a, m = run.args, b.metrics
+    written = [r for r in recs if r.source is not None]
+    reward = {id(r): (r.gain if r.skill else a.r_bad) for r in written}   # Eq. (5)'s g̃
     if a.algo == "rsipo":
-        has_r = [i for i, r in enumerate(recs) if r.skill is None or r.replay_ok]
+        rewarded = [r for r in written if r.skill is None or r.replay_ok]
         A, run.skill_means = rsipo.skill_advantages(
-            torch.tensor([recs[i].gain if recs[i].skill else a.r_bad for i in has_r], dtype=torch.float32),
-            [recs[i].task_type for i in has_r], torch.tensor([recs[i].skill is not None for i in has_r]),
-            r_bad=a.r_bad, running_means=run.skill_means)
-        for i, x in zip(has_r, A.tolist()):
-            recs[i].skill_adv = x
+            torch.tensor([reward[id(r)] for r in rewarded], dtype=torch.float32), [r.task_type for r in rewarded],
+            torch.tensor([r.skill is not None for r in rewarded]), r_bad=a.r_bad, running_means=run.skill_means)
+        for r, adv in zip(rewarded, A.tolist()):
+            r.skill_adv = adv
     facts = [r.facts for r in recs if r.facts]
     for key in ("object", "target", "place") if facts else ():
         m[f"skill/names_{key}"] = float(np.mean([f[key] for f in facts]))
-    m.update({"skill/valid_frac": sum(r.skill is not None for r in recs) / max(1, len(recs)),
-              "skill/words": float(np.mean([len(r.skill.split()) for r in b.records if r.skill] or [0])),
-              "skill/reward_mean": float(np.mean([r.gain if r.skill else a.r_bad for r in recs]))})
+    m["skill/written_frac"] = len(written) / max(1, len(recs))
+    if written:                           # a step where no task wrote a skill has no validity or reward to log
+        m.update({"skill/valid_frac": sum(r.skill is not None for r in written) / len(written),
+                  "skill/rule_failed": float(sum(r.rule_failed for r in written)),
+                  "skill/reward_mean": float(np.mean([reward[id(r)] for r in written]))})
+    mine = [len(r.skill.split()) for r in b.records if r.skill]
+    if mine:
+        m["skill/words"] = float(np.mean(mine))
+    for source in ("won", "lost"):
+        mine = [reward[id(r)] for r in written if r.source == source]
+        m[f"skill/{source}_sources"] = float(len(mine))
+        if mine:
+            m[f"skill/{source}_reward"] = float(np.mean(mine))
 
 
 def trust(run: Run, b: Batch, recs: list[TaskRecord]):
     """Eq. (6)-(9) (§2.6): the empirical-Bayes trust λ_q in each task's teacher and the shrunk gain ĝ_q, from
-    the replay gains of every rank's tasks (opsd: λ ≡ 1 for every valid skill, no replay)."""
+    the replay gains of every rank's tasks (opsd: λ ≡ 1 for every valid skill, no replay); the replay gain
+    and λ also by the outcome of the skill's source episode."""
     a, m = run.args, b.metrics
     ok = [i for i, r in enumerate(recs) if r.replay_ok]
     lam, shrunk = np.zeros(len(recs)), np.array([r.gain for r in recs], dtype=float)
@@ -599,6 +673,11 @@ def trust(run: Run, b: Batch, recs: list[TaskRecord]):
                   "replay/gain_mean": float(np.mean(g)), "replay/uninformative": float(sum(not recs[i].informative for i in ok))})
         for t in sorted(set(ty)):
             m[f"replay/gain_{t}"] = float(np.mean([x for x, tx in zip(g, ty) if tx == t]))
+        for source in ("won", "lost"):
+            mine = [i for i in ok if recs[i].source == source]
+            if mine:
+                m[f"replay/{source}_gain"] = float(np.mean([recs[i].gain for i in mine]))
+                m[f"trust/{source}_mean"] = float(np.mean(lam[mine]))
     for r, l, s in zip(recs, lam, shrunk):
         r.trust, r.shrunk = float(l), float(s)
     m.update({"trust/mean": float(lam.mean()) if len(lam) else 0.0,
@@ -656,7 +735,27 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
         if sm.teacher is None:            # no teacher for this turn: λ = 0
             sm.trust = 0.0
     b.teacher_overflow = len(kept) - len(fit)
+    b.metrics.update(teacher_gaps(run, [kept[j] for j in fit]))
     return samples, skill_samples
+
+
+def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
+    """[ours] How the teacher rates the student's own tokens before the update: ℓ^T − ℓ^old per token, over the
+    turns whose action uses the tool of its task type's procedure (the sink for clean: `Run.tool_action`, where
+    the preset knows it) and over the rest, all ranks. Where the teacher carries a procedure the student lacks,
+    the first is the larger."""
+    sums = {"tool": [0.0, 0.0], "other": [0.0, 0.0]}
+    for sm in scored:
+        action = run.pool.parse_action(sm.turn.response_text) or ""
+        kind = "tool" if run.tool_action is not None and run.tool_action(action, sm.turn.task_type) else "other"
+        sums[kind][0] += float((sm.teacher - sm.old).sum())
+        sums[kind][1] += len(sm.old)
+    tot = all_reduce([*sums["tool"], *sums["other"]])
+    out = {}
+    for kind, (total, n) in zip(("tool", "other"), (tot[:2], tot[2:])):
+        if n:
+            out[f"teacher/gap_{kind}"], out[f"teacher/tokens_{kind}"] = float(total / n), int(n)
+    return out
 
 
 def sync_weights(run: Run):

@@ -272,6 +272,20 @@ def skill_facts_of_game(text: str, gamefile: str) -> dict[str, bool] | None:
     return skill_facts(text, wt) if wt.exists() else None
 
 
+def generic_skill_of_game(gamefile: str) -> str | None:
+    """[ours] The type-level workflow of a game (`game_rule_skills` without the object's place: what every game of
+    its type shares, plus its object and target), or None where the game has no walkthrough.json beside it: the
+    teacher's skill under train.py --teacher_skill generic (privileged: it comes from the game's files)."""
+    wt = Path(gamefile).with_name("walkthrough.json")
+    return game_rule_skills(wt, with_place=False)[0] if wt.exists() else None
+
+
+def tool_action(action: str, task_type: str) -> bool:
+    """[ours] Whether an ALFWorld action uses the tool of its task type's procedure: for clean, going to the sink
+    basin or cleaning with it (`TOOLS`); never for the types without a tool (pick, look, pick2)."""
+    return task_type in TOOLS and f" {TOOLS[task_type][0]}" in f" {action}"
+
+
 HOLD_OUT_MODES = ("teacher", "pure")
 TASK_TYPES_SHORT = tuple(TASK_TYPES.values())   # pick, look, clean, heat, cool, pick2
 

@@ -372,6 +372,12 @@ def _rsipo_panels(keys, types):
                             ("skill/names_object", "names object", {}), ("skill/names_target", "names target", {}),
                             ("skill/names_place", "names place", {})]),
         ("Skill reward (mean)", [("skill/reward_mean", None, {})]),
+        ("Replay gain by the skill's source", [("replay/won_gain", "written after a win", {}),
+                                               ("replay/lost_gain", "after a loss", {})]),
+        ("Trust by the skill's source", [("trust/won_mean", "written after a win", {}),
+                                         ("trust/lost_mean", "after a loss", {})]),
+        ("Skill reward by source", [("skill/won_reward", "written after a win", {}),
+                                    ("skill/lost_reward", "after a loss", {})]),
         ("Skill length (words)", [("skill/words", None, {})]),
     ]
     out = [(t, [s for s in ks if s[0] in keys]) for t, ks in panels]
@@ -394,7 +400,7 @@ def plot_rsipo(train, out: Path, xlim=None) -> str | None:
     for ax, (title, ks), w in zip(axes, panels, wide):
         for i, (k, lab, style) in enumerate(ks):
             _line(ax, *_series(train, k), lab, i, **style)
-        if title.startswith(("Replay gain", "Teacher")):
+        if title.startswith(("Replay gain", "Teacher", "Skill reward")):
             ax.axhline(0, color="grey", linewidth=0.8)
         _style(ax, title, xlim=xlim, legend="below4" if w else "below")
     return _save(fig, out)
@@ -543,7 +549,37 @@ def section_rsipo(train, evals, summary, plot_dir) -> str:
     out = ["<h2>RSIPO internals</h2>", f'<img src="{img}" alt="RSIPO internals per step">']
     if "replay/gain_mean" not in _keys(train):
         out.append(_note("No replay gains logged: no valid skill was replayed in any step."))
+    table = by_source_table(train)
+    if table:
+        out.append(_note("By the outcome of the episode each skill was written from (means over the steps, "
+                         "weighted by the skills written; replay gain and λ over the replayed skills)."))
+        out.append("<table><tr><th>source</th><th>skills written</th><th>skill reward</th><th>replay gain</th>"
+                   "<th>trust λ</th></tr>")
+        for source, t in table.items():
+            cells = [str(t["written"])] + ["n/a" if t[k] is None else f"{t[k]:+.3f}" for k in ("reward", "gain")]
+            cells.append("n/a" if t["trust"] is None else f"{t['trust']:.3f}")
+            out.append(f"<tr><td>{source}</td>" + "".join(f'<td class="n">{c}</td>' for c in cells) + "</tr>")
+        out.append("</table>")
     return "\n".join(out)
+
+
+def by_source_table(train) -> dict:
+    """{won, lost: skills written, and the mean skill reward, replay gain and λ over the run's steps, each
+    step weighted by its skills of that source} from metrics.jsonl's skill/<source>_*, replay/<source>_gain,
+    trust/<source>_mean; {} for a run that logged none."""
+    out = {}
+    for source in ("won", "lost"):
+        rows = [r for r in train if (_num(r.get(f"skill/{source}_sources")) or 0) > 0]
+        if not rows:
+            continue
+        w = [_num(r[f"skill/{source}_sources"]) for r in rows]
+
+        def mean(key):
+            pts = [(x, _num(r.get(key))) for x, r in zip(w, rows) if _num(r.get(key)) is not None]
+            return sum(x * v for x, v in pts) / sum(x for x, _ in pts) if pts else None
+        out[source] = {"written": int(sum(w)), "reward": mean(f"skill/{source}_reward"),
+                       "gain": mean(f"replay/{source}_gain"), "trust": mean(f"trust/{source}_mean")}
+    return out
 
 
 def section_calibration(rows, note, plot_dir) -> str:

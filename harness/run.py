@@ -65,6 +65,8 @@ class Run:
     preempt: Any = None                   # Preemption: SIGTERM → a checkpoint and exit 143
     skill_facts: Optional[Callable] = None   # [ours] (skill, task id) → what the skill gets right about its game,
                                              # or None; filled by a preset that knows the games (the tiny one)
+    generic_skill: Optional[Callable] = None  # [ours] task id → its type-level workflow (--teacher_skill generic)
+    tool_action: Optional[Callable] = None    # [ours] (action, task type) → whether it uses the type's tool
 
     @property
     def scorer(self):                     # π_old: the weights that sampled
@@ -278,7 +280,9 @@ def setup(args) -> "Run":
     return Run(args, run_dir, device, data, eval_games, pool, summary={"config": dataclasses.asdict(args)},
                task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
                bank=SkillBank(args.bank_capacity),
-               skill_facts=cpu_preset.skill_facts_of_game if args.env == "alfworld" else None)
+               skill_facts=cpu_preset.skill_facts_of_game if args.env == "alfworld" else None,
+               generic_skill=cpu_preset.generic_skill_of_game if args.env == "alfworld" else None,
+               tool_action=cpu_preset.tool_action if args.env == "alfworld" else None)
 
 
 def build_policy(run: "Run"):

@@ -23,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: train.py runs there, as in the README
 TYPES = ["pick", "look", "clean", "heat", "cool", "pick2"]
 INTERNALS = ["skill/valid_frac", "skill/names_target", "replay/gain_mean", "replay/uninformative", "trust/mean",
-             "trust/shrink_mean", "opsd/gate_mean", "opsd/gap_mean", "gigpo/anchored_frac", "train/success"]
+             "trust/shrink_mean", "opsd/gate_mean", "opsd/gap_mean", "gigpo/anchored_frac", "train/success",
+             "skill/won_sources", "skill/lost_sources", "replay/won_gain", "replay/lost_gain", "trust/won_mean",
+             "trust/lost_mean"]
 
 
 def warm_start(a, extra: list[str]) -> list[str]:
@@ -56,6 +58,7 @@ def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
     s = json.loads(summary.read_text())
     rows = [json.loads(l) for l in (Path(a.out) / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
     s["curve"] = [(r["train/env_steps_total"], r["train/success"]) for r in rows if "train/env_steps_total" in r]
+    s["eval_curve"] = eval_curve(s, rows)
     # the run's internals, means over its RL steps (those it logged: RSIPO's skills, replay and trust; GiGPO's anchors)
     s["internals"] = {k: statistics.mean(v) for k in INTERNALS
                       if (v := [r[k] for r in rows if isinstance(r.get(k), (int, float))])}
@@ -63,6 +66,67 @@ def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
     s["internals"].update({k: s[k] for k in ("calib/brier_eb", "calib/brier_raw", "calib/base_brier", "calib/tasks")
                            if k in s})
     return s
+
+
+def eval_curve(summary: dict, rows: list[dict]) -> list[tuple[int, float]]:
+    """Held-out success against env steps spent: the start (0), every --eval_every evaluation (logged in its
+    step's row), and the final evaluation at the run's last env-step count; [] without both ends."""
+    if summary.get("eval/success_at_start") is None or summary.get("eval/success") is None:
+        return []
+    steps = [r for r in rows if "train/env_steps_total" in r]
+    mid = [(r["train/env_steps_total"], r["eval/success"]) for r in steps[:-1] if "eval/success" in r]
+    return [(0, summary["eval/success_at_start"])] + mid + [(steps[-1]["train/env_steps_total"] if steps else 0,
+                                                             summary["eval/success"])]
+
+
+def mean_curve(runs: list[dict]) -> list[tuple[float, float, float]]:
+    """(mean env steps, mean held-out success, its s.e. over seeds) at each evaluation the runs share by index."""
+    curves = [r["eval_curve"] for r in runs if r.get("eval_curve")]
+    out = []
+    for k in range(min(map(len, curves), default=0)):
+        xs, ys = [c[k][0] for c in curves], [c[k][1] for c in curves]
+        se = statistics.stdev(ys) / len(ys) ** 0.5 if len(ys) > 1 else 0.0
+        out.append((statistics.mean(xs), statistics.mean(ys), se))
+    return out
+
+
+def steps_to_reach(curve: list[tuple[float, float, float]], target: float) -> float | None:
+    """The env steps at which a mean curve first reaches `target` (linear between evaluations), or None."""
+    for (x0, y0, _), (x1, y1, _) in zip(curve, curve[1:]):
+        if y1 >= target:
+            return x1 if y1 == y0 or y0 >= target else x0 + (target - y0) / (y1 - y0) * (x1 - x0)
+    return None
+
+
+def paired(base: list[dict], other: list[dict]) -> tuple[list[float], float, float]:
+    """Held-out success after RL, `other` − `base`, seed by seed (runs of one seed share the warm start and the
+    evaluation's random numbers): the differences, their mean and its standard error over seeds."""
+    d = [o["eval/success"] - b["eval/success"] for b, o in zip(base, other)
+         if b.get("eval/success") is not None and o.get("eval/success") is not None]
+    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    return d, statistics.mean(d) if d else float("nan"), se
+
+
+def paired_lines(res: dict, seeds: list[int]) -> list[str]:
+    """One line per algorithm against the first one (grpo by default): the paired difference per seed; and
+    where the runs evaluated along the way (--eval_every), the env steps each needs to reach the first's final
+    held-out success (mean curves over seeds)."""
+    base, *others = list(res)
+    out = []
+    for algo in others:
+        d, mean, se = paired(res[base], res[algo])
+        if d:
+            out.append(f"\n{algo} − {base}, held-out success after RL paired by seed ({', '.join(map(str, seeds))}): "
+                       f"{', '.join(f'{100 * x:+.1f}' for x in d)} → **{100 * mean:+.1f} ± {100 * se:.1f}** points "
+                       f"(1 s.e. over seeds; {mean / se if se else float('nan'):.1f} s.e.)")
+    ref = mean_curve(res[base])
+    if len(ref) > 2:                      # evaluations between the start and the end
+        target = ref[-1][1]
+        for algo in [base] + others:
+            reach = steps_to_reach(mean_curve(res[algo]), target)
+            share = "not reached" if reach is None else f"{reach:,.0f} env steps ({100 * reach / ref[-1][0]:.0f}% of {base}'s)"
+            out.append(f"\n{algo} reaches {base}'s final held-out success ({100 * target:.1f}%): {share}")
+    return out
 
 
 def fmt(xs: list[float]) -> str:
@@ -110,6 +174,7 @@ def main(argv=None):
                        "internals": [r["internals"] for r in runs]}
         lines.append(f"| {algo} | {fmt(start)} | {fmt(end)} | {fmt(gain)} | " + " | ".join(fmt(per[t]) for t in TYPES)
                      + f" | {', '.join(map(str, steps))} |")
+    lines += paired_lines(res, seeds)
     md = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,18 +185,25 @@ def main(argv=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    curves = any(len(mean_curve(runs)) > 2 for runs in res.values())
+    fig, ax = plt.subplots(1, 3 if curves else 2, figsize=(16 if curves else 11, 3.8))
     for i, (algo, runs) in enumerate(res.items()):
         c = f"C{i}"
         for j, r in enumerate(runs):
             xs, ys = zip(*r["curve"]) if r["curve"] else ([], [])
             ax[1].plot(xs, ys, color=c, alpha=0.6, label=algo if j == 0 else None)
+        if curves and mean_curve(runs):   # held-out success against env steps, mean ± s.e. over seeds
+            xs, ys, se = zip(*mean_curve(runs))
+            ax[2].errorbar(xs, ys, yerr=se, color=c, capsize=3, marker="o", label=algo)
         ax[0].errorbar([i - 0.1, i + 0.1],
                        [statistics.fmean(table[algo][k] or [0]) for k in ("start", "end")],
                        yerr=[statistics.stdev(table[algo][k]) if len(table[algo][k]) > 1 else 0 for k in ("start", "end")],
                        fmt="o-", color=c, capsize=3)
     ax[0].set_xticks(range(len(res)), list(res)), ax[0].set_ylabel("held-out success (start → end)")
     ax[1].set_xlabel("environment steps"), ax[1].set_ylabel("training-rollout success"), ax[1].legend()
+    if curves:
+        ax[2].set_xlabel("environment steps"), ax[2].set_ylabel("held-out success (mean ± s.e. over seeds)")
+        ax[2].legend()
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=100)
     print(f"wrote {out / 'compare.md'} and {out / 'compare.png'}")

@@ -185,6 +185,7 @@ def train_cmd(args, model: str, sft, steps: int) -> list[str]:
             *(["--sft_data", str(sft), "--sft_steps", str(args.sft_steps), "--sft_lr", str(args.sft_lr), "--sft_batch", "16"]
               if args.sft_steps else ["--sft_steps", "0"]),
             "--eval_games", str(args.eval_games), "--eval_repeats", "1", "--max_new_tokens", str(args.max_new_tokens),
+            "--skill_groups", "all",      # every task writes a skill, won or not: the check exercises every section
             "--cache_dir", args.cache_dir, *args.train_args]
 
 

@@ -18,8 +18,18 @@ share of turns where the teacher assigns the sampled action a higher probability
 If the oracle skill does not raise success and the gap is ≈ 0, the model ignores skills, and the
 OPSD term of Eq. 11 has nothing to distil.
 
+With --own it measures the policy's own skills instead, the way the trainer writes them, against an
+independent control (the ground truth that the replay gain and `--calibrate` estimate). For each game it plays
+--sources skill-free episodes at the training temperature, and the policy writes a skill from a won one and
+from a lost one (`write_skills`' analyzer prompt and decoding at --skill_temperature, one retry; from the same
+won episode once per temperature listed, 0 = greedy). Each skill is then played --repeats times, and so are a skill-free control
+(its own episodes, not those the source came from) and the generic type-level skill. It prints, per condition,
+the gain over the control paired over games, and how the skills fare under the skill rule (they name the
+task's object and target: `envs.names_task`).
+
     python scripts/skill_probe.py --model runs/default/warm_start
     python scripts/skill_probe.py --model runs/default/final --bank runs/default/skill_bank.json
+    python scripts/skill_probe.py --model runs/default/final --own --data_root data/alfworld_clean --split train
 """
 from __future__ import annotations
 
@@ -34,7 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import cpu_preset  # noqa: E402
+import envs  # noqa: E402
 import rollout  # noqa: E402
+from rollout import fit_prompt  # noqa: E402
+from skills import ANALYZER_MAX_STEPS, analyzer_prompt, parse_skill, skill_token_budget  # noqa: E402
 from infra.env_backends import game_task_type, list_games  # noqa: E402
 from envs import EnvPool  # noqa: E402
 from rollout import HFEngine, run_episodes  # noqa: E402
@@ -63,6 +76,86 @@ def score_bank(bank: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def write_skills(engine, episodes, temperature: float, max_tokens: int, max_words: int = 80) -> list:
+    """The skills the policy writes from `episodes` (train.write_skills' analyzer prompt and decoding: the
+    latest steps that fit the prompt budget, one retry of an unparsable answer); None where none parsed."""
+    prompts = [fit_prompt(lambda n, e=e: analyzer_prompt(e.task, e.won, e.steps, max_words, max_steps=n),
+                          ANALYZER_MAX_STEPS, engine.prompt_len, engine.max_prompt_tokens) for e in episodes]
+    out = [None] * len(episodes)
+    for _ in range(2):
+        todo = [k for k, p in enumerate(prompts) if p is not None and out[k] is None]
+        gens = engine.generate([prompts[k] for k in todo], temperature=temperature, greedy=temperature <= 0,
+                               max_new_tokens=max_tokens, stop=False) if todo else []
+        for k, g in zip(todo, gens):
+            out[k] = parse_skill(g.text, max_words)
+    return out
+
+
+def own_skills(engine, pool, games: list[str], generic: dict, a) -> dict:
+    """--own: the policy's own skills, from won and from lost episodes, against an independent control (see
+    the module docstring). Per condition: games, success with the skill and without it on those games, the
+    paired gain ± s.e., and the share of skills that keep the skill rule, with the gain of those that do."""
+    max_tokens = cpu_preset.TINY_DEFAULTS["skill_max_tokens"] if cpu_preset.is_tiny(a.model) else \
+        skill_token_budget(lambda t: engine.tok.encode(t, add_special_tokens=False))
+
+    def play(gs, n, skills, seed):
+        torch.manual_seed(seed)               # the same seed for the control and every skill: paired episodes
+        eps = run_episodes(engine, pool, [{pool.task_key: g} for g in gs], n, history_len=a.history_len,
+                           skills={i: skills[g] for i, g in enumerate(gs)} if skills else None,
+                           temperature=a.temperature, greedy=a.temperature <= 0, constrained=a.constrained)
+        return eps, rollout.mean_by((e.task_id, e.won) for e in eps)
+
+    t0 = time.time()
+    sources, _ = play(games, a.sources, None, a.seed + 1)      # the episodes skills are written from
+    rng = random.Random(a.seed)
+    picked = {}
+    for g, group in zip(games, rollout.by_task(sources, a.sources)):
+        for kind, won in (("won", True), ("lost", False)):
+            pool_ = [e for e in group if e.won == won]
+            if pool_:
+                picked.setdefault(kind, {})[g] = rng.choice(pool_)
+    written = {}
+    temps = [float(t) for t in a.skill_temperature.split(",")]
+    for name, kind, temp in [(f"won_T{t:g}", "won", t) for t in temps] + [(f"lost_T{temps[0]:g}", "lost", temps[0])]:
+        eps = picked.get(kind, {})
+        texts = write_skills(engine, list(eps.values()), temp, max_tokens)
+        written[name] = {g: t for g, t in zip(eps, texts) if t}
+    _, control = play(games, a.repeats, None, a.seed)
+    out = {"source_success": sum(e.won for e in sources) / max(1, len(sources)),
+           "games_with_won": len(picked.get("won", {})), "games_with_lost": len(picked.get("lost", {})),
+           "control_success": sum(control.values()) / max(1, len(control)), "conditions": {}}
+    print(f"source episodes: {100 * out['source_success']:.1f}% won; {out['games_with_won']} of {len(games)} games "
+          f"have a won one; control {100 * out['control_success']:.1f}% ({time.time() - t0:.0f}s)", flush=True)
+    for name, skills in [("generic", generic)] + list(written.items()):
+        gs = [g for g in games if g in skills]
+        if not gs:
+            continue
+        _, with_skill = play(gs, a.repeats, skills, a.seed)
+        gain, se, n = rollout.paired_gain(control, with_skill)
+        keeps = {g: envs.names_task(skills[g], envs.task_terms(_task_of(g))) for g in gs}
+        row = {"games": n, "success": sum(with_skill.values()) / n, "control": sum(control[g] for g in gs) / n,
+               "gain": gain, "se": se, "rule_share": sum(keeps.values()) / n,
+               "examples": [skills[g] for g in gs[:3]]}
+        for part, sel in (("kept", True), ("broken", False)):
+            mine = [g for g in gs if keeps[g] == sel]
+            if len(mine) > 1:
+                pg, pse, pn = rollout.paired_gain({g: control[g] for g in mine}, {g: with_skill[g] for g in mine})
+                row[f"rule_{part}"] = {"games": pn, "gain": pg, "se": pse}
+        out["conditions"][name] = row
+        parts = [(part, row.get("rule_" + part)) for part in ("kept", "broken")]
+        print(f"{name:11s} {n:3d} games: {100 * row['success']:5.1f}% vs {100 * row['control']:5.1f}% without, "
+              f"gain {100 * gain:+.1f} ± {100 * se:.1f}; skill rule kept by {100 * row['rule_share']:.0f}%"
+              + "".join(f"; {part} {100 * r['gain']:+.1f} ± {100 * r['se']:.1f} ({r['games']} games)"
+                        for part, r in parts if r) + f" ({time.time() - t0:.0f}s)", flush=True)
+    return out
+
+
+def _task_of(gamefile: str) -> str:
+    """The task sentence of a game, from the first observation of its stored walkthrough."""
+    steps = json.loads(Path(gamefile).with_name("walkthrough.json").read_text())["steps"]
+    return envs.task_from_intro(steps[0]["obs"])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face model folder (e.g. runs/default/warm_start)")
@@ -70,7 +163,12 @@ def main(argv=None):
     p.add_argument("--split", default="valid_unseen")
     p.add_argument("--games", type=int, default=60, help="held-out games (round-robin over task types)")
     p.add_argument("--repeats", type=int, default=3, help="episodes per game and condition")
-    p.add_argument("--temperature", type=float, default=0.4)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature of the episodes (default 0.4; with --own 1, the training rollouts')")
+    p.add_argument("--own", action="store_true", help="measure the policy's own skills (module docstring)")
+    p.add_argument("--sources", type=int, default=8, help="--own: skill-free episodes per game to write skills from")
+    p.add_argument("--skill_temperature", default="1,0", help="--own: T_skill of the skills written (a comma list: "
+                   "each gives a condition won_T<t> from the same won episodes, 0 = greedy; lost_T<t> at the first)")
     p.add_argument("--max_turns", type=int, default=None, help="episode cap (default: train.py's for this model)")
     p.add_argument("--history_len", type=int, default=None, help="history shown (default: train.py's)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="response tokens per turn (default: train.py's)")
@@ -89,6 +187,8 @@ def main(argv=None):
     for k in ("max_turns", "history_len", "max_new_tokens", "constrained"):
         if getattr(a, k) is None:
             setattr(a, k, defaults[k])
+    if a.temperature is None:
+        a.temperature = 1.0 if a.own else 0.4
     from transformers import AutoModelForCausalLM
     tok = rollout.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
@@ -130,6 +230,16 @@ def main(argv=None):
         conds["bank"] = {g: rng.choice(bank[types[g]])["text"] for g in games if bank.get(types[g])}
 
     pool = EnvPool(num_workers=a.workers, max_steps=a.max_turns)
+    if a.own:
+        try:
+            out = own_skills(engine, pool, games, generic, a)
+        finally:
+            pool.close()
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps({"args": vars(a), **out}, indent=1))
+            print(f"saved {a.out}")
+        return out
     results, games_won, eps_none = {}, {}, None
     try:
         for name, sk in conds.items():
@@ -150,7 +260,6 @@ def main(argv=None):
 
     # the skills the policy writes itself after its won 'none' episodes (the analyzer prompt, T 1), against
     # their games' truth: valid, and naming the object, the target, the tool of the type
-    from skills import analyzer_prompt, parse_skill
     won = [e for e in eps_none if e.won]
     gens = engine.generate([analyzer_prompt(e.task, True, e.steps) for e in won], temperature=1.0,
                            max_new_tokens=cpu_preset.TINY_DEFAULTS["skill_max_tokens"] if cpu_preset.is_tiny(a.model)

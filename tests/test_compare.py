@@ -51,7 +51,10 @@ def test_table_from_finished_runs(tmp_path):
     # paired gain end − start: grpo 10 and 20 → 15.0 ± 7.1; rsipo 30 and 30 → 30.0 ± 0.0
     assert "| grpo | 10.0 ± 0.0 | 25.0 ± 7.1 | 15.0 ± 7.1 | 25.0 ± 7.1 |" in md
     assert "| rsipo | 10.0 ± 0.0 | 40.0 ± 0.0 | 30.0 ± 0.0 | 40.0 ± 0.0 |" in md
-    assert md.rstrip().endswith("| 3, 3 |")       # RL steps per seed, from metrics.jsonl
+    assert "| 3, 3 |" in md                        # RL steps per seed, from metrics.jsonl
+    # rsipo − grpo by seed: 40 − 20 = +20, 40 − 30 = +10 → mean 15, s.e. stdev(20, 10)/√2 = 5, 3.0 s.e.
+    assert "rsipo − grpo, held-out success after RL paired by seed (0, 1): +20.0, +10.0 → **+15.0 ± 5.0**" in md
+    assert md.rstrip().endswith("3.0 s.e.)")
     assert (tmp_path / "compare.png").stat().st_size > 0
     table = json.loads((tmp_path / "compare.json").read_text())["table"]
     assert table["grpo"]["end"] == [0.2, 0.3]
@@ -60,3 +63,25 @@ def test_table_from_finished_runs(tmp_path):
     assert table["grpo"]["gain_mean"] == pytest.approx(0.15) and table["grpo"]["gain_se"] == pytest.approx(0.05)
     # internals: means over each run's logged steps (train/success 0.1, 0.2, 0.3 → 0.2)
     assert table["rsipo"]["internals"][0]["train/success"] == pytest.approx(0.2)
+
+
+def test_held_out_curves_and_the_env_steps_to_reach_the_baselines_end(tmp_path):
+    # two seeds each; --eval_every logs eval/success in the step rows of steps 2 (and 4, the last: the final
+    # evaluation's value comes from summary.json). grpo: 0.1 → 0.2 (2,000 steps) → 0.3 (4,000);
+    # rsipo: 0.1 → 0.3 → 0.4: it reaches grpo's final 0.3 at 2,000 env steps, 50% of grpo's 4,000
+    for algo, mid, end in (("grpo", 0.2, 0.3), ("rsipo", 0.3, 0.4)):
+        for seed in (0, 1):
+            run = tmp_path / f"{algo}_s{seed}"
+            run.mkdir()
+            (run / "summary.json").write_text(json.dumps({"eval/success_at_start": 0.1, "eval/success": end}))
+            rows = [{"train/env_steps_total": 1000 * k, "train/success": 0.1,
+                     **({"eval/success": mid} if k == 2 else {})} for k in (1, 2, 3, 4)]
+            (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    C.main(["--algos", "grpo,rsipo", "--seeds", "0,1", "--out", str(tmp_path), "--warm_start", "none"])
+    md = (tmp_path / "compare.md").read_text()
+    assert "grpo reaches grpo's final held-out success (30.0%): 4,000 env steps (100% of grpo's)" in md
+    assert "rsipo reaches grpo's final held-out success (30.0%): 2,000 env steps (50% of grpo's)" in md
+    assert C.mean_curve([{"eval_curve": [(0, 0.1), (1000, 0.2)]}, {"eval_curve": [(0, 0.3), (3000, 0.4)]}]) == \
+        [(0, pytest.approx(0.2), pytest.approx(0.1)), (2000, pytest.approx(0.3), pytest.approx(0.1))]
+    assert C.steps_to_reach([(0, 0.1, 0), (1000, 0.3, 0)], 0.2) == pytest.approx(500)   # halfway, linear
+    assert C.steps_to_reach([(0, 0.1, 0), (1000, 0.15, 0)], 0.2) is None

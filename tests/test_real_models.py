@@ -203,7 +203,8 @@ def test_smollm2_one_step_end_to_end(algo, tmp_path, monkeypatch):
     T.main(["--model", "smollm2", "--algo", algo, "--steps", "1", "--sft_steps", "0", "--eval", "false",
             "--tasks_per_step", "1", "--group_size", "2", "--max_turns", "2", "--history_len", "1",
             "--max_new_tokens", "32", "--drop_zero_adv", "false", "--lr", "1e-4", "--replay_m", "1",
-            "--save_every", "1", "--out_dir", str(tmp_path), "--run_name", algo, "--env_workers", "1"])
+            "--save_every", "1", "--out_dir", str(tmp_path), "--run_name", algo, "--env_workers", "1",
+            "--skill_groups", "all", "--skill_rule", "false"])   # a skill for every task, whatever it says
     run = tmp_path / algo
     row = _first_step(run)
     tok = R.load_tokenizer(path)

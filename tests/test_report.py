@@ -36,7 +36,8 @@ def _rsipo_keys(step):
             "replay/gain_mean": 0.05, "replay/gain_pick": 0.1, "replay/gain_cool": -0.05,
             "replay/shrunk_gain_mean": 0.02, "replay/uninformative": 1.0, "trust/shrink_mean": 0.4,
             "trust/mean": 0.3, "trust/frac_teacher": 0.5, "opsd/loss": 0.2, "opsd/gate_mean": 0.6,
-            "opsd/gap_mean": 0.1, "opsd/trust_mean": 0.3}
+            "opsd/gap_mean": 0.1, "opsd/trust_mean": 0.3, "skill/won_sources": 2.0, "skill/won_reward": 0.05 * step,
+            "replay/won_gain": 0.05 * step, "trust/won_mean": 0.5, "skill/lost_sources": 0.0}
 
 
 def _episode(won, skill, steps):
@@ -104,6 +105,9 @@ def test_rsipo_report(rsipo_run):
     for cells in (["all", "25.0%", "50.0%", "+25.0"], ["pick", "0.0%", "100.0%", "+100.0"],
                   ["cool", "50.0%", "0.0%", "-50.0"]):
         assert f"<td>{cells[0]}</td>" + "".join(f'<td class="n">{c}</td>' for c in cells[1:]) in page, cells
+    # internals by the skill's source: 6 won-source skills over 3 steps, means 0.1; no lost-source skill
+    assert ('<tr><td>won</td><td class="n">6</td><td class="n">+0.100</td><td class="n">+0.100</td>'
+            '<td class="n">0.500</td></tr>') in page and "<td>lost</td>" not in page
     # skill bank: the top 3 by shrunk gain, best first
     assert "lowest skill" not in page
     assert page.index("best skill") < page.index("second skill") < page.index("third skill")
@@ -222,3 +226,17 @@ def test_held_out_type_leads_the_table_by_type(tmp_path):
     rows = re.findall(r"<tr><td>([^<]*)</td>", page)
     assert rows[:3] == ["heat (held out)", "all", "pick"]
     assert "+20.0" in page                                            # heat's change, 10% → 30%
+
+
+def test_by_source_table_weights_each_step_by_its_skills_of_that_source():
+    # step 1: 3 won-source skills (reward 0.2, gain 0.3, λ 0.6), 1 lost-source (reward -1, no replay logged);
+    # step 2: 1 won-source (reward -0.2, gain 0.1, λ 0.2), no lost-source skill
+    rows = [{"step": 1, "skill/won_sources": 3.0, "skill/won_reward": 0.2, "replay/won_gain": 0.3, "trust/won_mean": 0.6,
+             "skill/lost_sources": 1.0, "skill/lost_reward": -1.0},
+            {"step": 2, "skill/won_sources": 1.0, "skill/won_reward": -0.2, "replay/won_gain": 0.1, "trust/won_mean": 0.2,
+             "skill/lost_sources": 0.0}]
+    t = R.by_source_table(rows)
+    assert t["won"]["written"] == 4 and t["won"]["reward"] == pytest.approx((3 * 0.2 - 0.2) / 4)
+    assert t["won"]["gain"] == pytest.approx((0.9 + 0.1) / 4) and t["won"]["trust"] == pytest.approx((1.8 + 0.2) / 4)
+    assert t["lost"] == {"written": 1, "reward": -1.0, "gain": None, "trust": None}
+    assert R.by_source_table([{"step": 1, "train/success": 0.1}]) == {}

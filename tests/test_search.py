@@ -631,7 +631,7 @@ def test_train_env_search_end_to_end_rsipo(tmp_path):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ("loss", "train/reward", "kl/k3"))
-        assert "skill/valid_frac" in r and "trust/mean" in r and r["train/env_errors"] == 0
+        assert "skill/written_frac" in r and "trust/mean" in r and r["train/env_errors"] == 0
     tok = json.loads((run / "tokenizer" / "tokenizer.json").read_text())
     added = {t["content"] for t in tok["added_tokens"]}
     assert {"<search>", "</search>", "<answer>", "</answer>"} <= added

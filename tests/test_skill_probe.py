@@ -16,6 +16,16 @@ DATA = ROOT / "data" / "alfworld"
 GAME = DATA / "json_2.1.1/valid_unseen/look_at_obj_in_light-BasketBall-None-DeskLamp-301/trial_small_2_00055_1059828510"
 
 
+def _tiny_model(games, folder: Path):
+    """A randomly initialised tiny model, with a tokenizer trained on the games' warm-start text, saved as a
+    Hugging Face folder."""
+    pairs = cpu_preset.walkthrough_samples(games, 2, skills=True)
+    tok = cpu_preset.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
+    torch.manual_seed(0)
+    cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
 def test_game_rule_skills_name_where_the_walkthrough_took_the_object():
     # walkthrough: go to desk 1, take basketball 1 from desk 1, use desklamp 1; task type look
     won, failed = cpu_preset.game_rule_skills(GAME / "walkthrough.json")
@@ -31,11 +41,7 @@ def test_skill_probe_runs_every_condition(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     import skill_probe
     games = list_games(str(DATA), "train")[:6] + list_games(str(DATA), "valid_unseen")[:6]
-    pairs = cpu_preset.walkthrough_samples(games, 2, skills=True)
-    tok = cpu_preset.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
-    torch.manual_seed(0)
-    cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
+    _tiny_model(games, tmp_path / "m")
     bank = {"skills": {t: [{"text": f"a {t} skill"}] for t in ("pick", "look", "clean", "heat", "cool", "pick2")}}
     (tmp_path / "bank.json").write_text(json.dumps(bank))
     out = tmp_path / "probe.json"
@@ -60,11 +66,7 @@ def test_skill_probe_on_one_task_type(tmp_path):
     import pytest
     import skill_probe
     games = list_games(str(DATA), "train")[:6]
-    pairs = cpu_preset.walkthrough_samples(games, 2, skills=True)
-    tok = cpu_preset.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
-    torch.manual_seed(0)
-    cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
+    _tiny_model(games, tmp_path / "m")
     out = tmp_path / "probe.json"
     skill_probe.main(["--model", str(tmp_path / "m"), "--types", "heat", "--games", "2", "--repeats", "1",
                       "--max_turns", "2", "--workers", "1", "--out", str(out)])
@@ -93,3 +95,46 @@ def test_skill_facts_against_the_games_truth(tmp_path):
                      {"text": right}]}   # no game: skipped
     s = skill_probe.score_bank(bank)
     assert s["look"]["skills"] == 2 and s["look"]["object"] == 0.5 and s["all"]["wrong_tool"] == 0.5
+
+
+def test_own_mode_writes_with_the_trainers_prompt_and_retries_once(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import skill_probe
+    from rollout import Episode, Generation
+
+    class Engine:
+        max_prompt_tokens = 10_000
+        prompt_len = staticmethod(lambda p: len(p.split()))
+
+        def __init__(self, answers):
+            self.answers, self.calls = list(answers), []
+
+        def generate(self, prompts, **kw):
+            self.calls.append((prompts, kw))
+            return [Generation(self.answers.pop(0), [1], [0.0], [0]) for _ in prompts]
+
+    eps = [Episode("g", "clean", "put a clean mug in shelf.", 0, i, steps=[("obs", "go to sinkbasin 1")], won=w)
+           for i, w in enumerate([True, False])]
+    engine = Engine(['{"skill": "rinse the mug"}', "no json", "still none"])
+    out = skill_probe.write_skills(engine, eps, 0.0, 64)
+    assert out == ["rinse the mug", None]                  # the second failed twice: one retry, then None
+    (first, kw), (retry, _) = engine.calls
+    assert "Outcome: SUCCESS" in first[0] and "Outcome: FAILURE" in first[1] and retry == [first[1]]
+    assert kw["greedy"] and kw["max_new_tokens"] == 64 and kw["stop"] is False
+
+
+def test_own_mode_runs_end_to_end(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import skill_probe
+    games = list_games(str(DATA), "train")[:6]
+    _tiny_model(games, tmp_path / "m")
+    out = tmp_path / "own.json"
+    skill_probe.main(["--model", str(tmp_path / "m"), "--own", "--split", "train", "--games", "3", "--repeats", "2",
+                      "--sources", "2", "--max_turns", "2", "--workers", "1", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["args"]["temperature"] == 1.0                  # the training rollouts' temperature by default
+    assert r["games_with_won"] + r["games_with_lost"] >= 3  # every game has a won or a lost source episode
+    assert abs(r["control_success"] * 6 - round(r["control_success"] * 6)) < 1e-9   # 3 games x 2 episodes
+    g = r["conditions"]["generic"]                          # the type-level skill is played on every game
+    assert g["games"] == 3 and abs(g["gain"] * 2 - round(g["gain"] * 2)) < 1e-9 and 0 <= g["rule_share"] <= 1
+    assert g["rule_share"] == 1.0                            # the generic workflow names the object and target

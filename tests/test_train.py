@@ -118,16 +118,18 @@ def test_rsipo_run_end_to_end_single_process(tmp_path):
     run = tmp_path / "rs"
     row = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "train/success" in l][0]
     # the RSIPO sections ran: skills were written and parsed, trust computed, skill samples trained
-    for k in ("skill/valid_frac", "skill/reward_mean", "trust/mean", "time/skills", "time/replay"):
+    for k in ("skill/written_frac", "trust/mean", "time/skills", "time/replay"):
         assert k in row, k
-    assert 0.0 <= row["skill/valid_frac"] <= 1.0 and 0.0 <= row["trust/mean"] <= 1.0
-    # the facts of the valid skills against their games (skill_facts) are logged whenever one parsed
-    assert ("skill/names_object" in row) == (row["skill/valid_frac"] > 0)
+    # validity and reward only where a skill was written (a group with a win); the facts of the valid skills
+    # against their games (skill_facts) whenever one parsed
+    assert ("skill/valid_frac" in row) == ("skill/reward_mean" in row) == (row["skill/written_frac"] > 0)
+    assert 0.0 <= row.get("skill/valid_frac", 0) <= 1.0 and 0.0 <= row["trust/mean"] <= 1.0
+    assert ("skill/names_object" in row) == (row.get("skill/valid_frac", 0) > 0)
     assert (run / "skill_bank.json").exists()
     st = _state(run)
     assert "skill_means" in st["extra"] and "bank" in st["extra"]
     # the trust check replayed every scored skill afresh (1 episode with it, 1 without, per task)
-    n_scored = round(2 * row["skill/valid_frac"]) - row["replay/failed"]
+    n_scored = round(2 * row["skill/written_frac"] * row.get("skill/valid_frac", 0)) - row["replay/failed"]
     cal = [json.loads(l) for l in (run / "calibration.jsonl").read_text().splitlines()] if n_scored else []
     assert row["calib/tasks"] == len(cal) == n_scored
     for r in cal:
