@@ -357,6 +357,9 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
     n_mini = int(all_reduce(math.ceil(len(samples) / per_rank_mb), "max")[0])
     # metrics: loss terms (contributions) summed over micro-batches, averaged over mini-batches; others token means
     contrib, wsum, metrics, wtok = {}, {}, {}, 0.0
+    # |ℓ − ℓ_old| over the first mini-batch, before any optimizer step, where π_θ is π_old: anything above the
+    # compute dtype's noise means the sampler's weights or buffers are not the trained ones [ours]
+    first_gap = [0.0, 0.0, 0.0]           # sum, tokens, max
     dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
     model.train()
     for m in range(n_mini):
@@ -378,6 +381,11 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
                     mask = mask * 0
                 lp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, R]
                 old = _place([sm.old for sm in sub], sub, lp.shape, device)
+                if m == 0:
+                    gap = (lp.detach() - old).abs() * mask
+                    first_gap[0] += float(gap.sum())
+                    first_gap[1] += float(mask.sum())
+                    first_gap[2] = max(first_gap[2], float(gap.max()))
                 ref = _place([sm.ref for sm in sub], sub, lp.shape, device) if sub[0].ref is not None else None
                 teach = None
                 if use_teacher and not kind:
@@ -424,6 +432,9 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
     for k, v in tot.items():
         metrics[k] = v / D.WORLD if k.split("skill_")[-1] in CONTRIB else \
             v / max(1.0, n_skill_tok if k.startswith("skill_") else n_turn_tok)
+    gap_sum, gap_tokens = all_reduce(first_gap[:2])
+    metrics["update/first_logp_gap_mean"] = float(gap_sum / max(1.0, gap_tokens))
+    metrics["update/first_logp_gap_max"] = float(all_reduce(first_gap[2], "max")[0])
     metrics["update/mini_batches"] = n_mini
     metrics["update/tokens"] = n_turn_tok
     return metrics
@@ -777,6 +788,8 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
         "env_errors": sum(e.error is not None for e in b.eps), "turns_updated": len(samples),
         "gen_tokens": sum(len(tr.response_ids) for tr in b.turns),
         "seq_tokens": sum(len(sm.prompt_ids) + len(sm.response_ids) for sm in samples + skill_samples),
+        "seq_tokens_sq": sum((len(sm.prompt_ids) + len(sm.response_ids)) ** 2 for sm in samples + skill_samples),
+        "response_tokens": sum(len(sm.response_ids) for sm in samples + skill_samples),
         "env_steps": sum(len(e.steps) for e in eps), "prompt_overflow": sum(e.overflow for e in eps),
         "teacher_overflow": b.teacher_overflow})
     run.env_steps += int(t["env_steps"])
@@ -790,6 +803,7 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
             "train/invalid_frac": t["invalid"] / max(1, t["turns"]), "train/turns": int(t["turns"]),
             "train/env_errors": int(t["env_errors"]), "train/turns_updated": int(t["turns_updated"]),
             "rollout/gen_tokens": int(t["gen_tokens"]), "update/seq_tokens": int(t["seq_tokens"]),
+            "update/seq_tokens_sq": int(t["seq_tokens_sq"]), "update/response_tokens": int(t["response_tokens"]),
             "train/env_steps": int(t["env_steps"]), "train/env_steps_total": run.env_steps,
             "rollout/prompt_overflow": int(t["prompt_overflow"]), "teacher/prompt_overflow": int(t["teacher_overflow"]),
             **b.metrics, **extra}

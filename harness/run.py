@@ -143,6 +143,7 @@ def snapshot(run: "Run") -> dict:
     restored when the step is abandoned, so the checkpoint holds the state of the steps done."""
     calib = run.run_dir / "calibration.jsonl"
     return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,   # the HF engine's, on a GPU
             "task_rng": run.task_rng.getstate(), "skill_rng": run.skill_rng.getstate(),
             "bank": copy.deepcopy(run.bank), "skill_means": copy.deepcopy(run.skill_means),
             "calibration_bytes": calib.stat().st_size if calib.exists() else 0}
@@ -152,6 +153,8 @@ def restore(run: "Run", snap: dict):
     random.setstate(snap["random"])
     np.random.set_state(snap["numpy"])
     torch.set_rng_state(snap["torch"])
+    if snap["cuda"] is not None:
+        torch.cuda.set_rng_state(snap["cuda"])
     run.task_rng.setstate(snap["task_rng"])
     run.skill_rng.setstate(snap["skill_rng"])
     run.bank, run.skill_means = snap["bank"], snap["skill_means"]
@@ -252,10 +255,8 @@ def setup(args) -> "Run":
     if not torch.cuda.is_available() and D.nvidia_driver() is not None and not is_tiny(args.model):
         print0(f"warning: an NVIDIA driver is loaded but torch sees no GPU, so this runs on the CPU: "
                f"{D.why_no_gpu()}")
-    torch.set_num_threads(D.cpu_threads(D.WORLD))
-    random.seed(args.seed + D.RANK)
-    np.random.seed(args.seed + D.RANK)
-    torch.manual_seed(args.seed)
+    torch.set_num_threads(D.cpu_threads(D.local_world()))   # the cores of this host, shared by its ranks
+    D.seed_rank(args.seed)
     run_dir = Path(args.out_dir) / args.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     if args.resume:
@@ -311,13 +312,10 @@ def build_policy(run: "Run"):
                                 seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization,
                                 sleep_level=a.vllm_sleep_level, **kw)
     else:
-        if sharded:                       # one gathered tensor at a time into a plain copy
-            run.rollout_model = D.unsharded_copy(run.model, torch.bfloat16 if run.device.type == "cuda" else
-                                                 torch.float32, run.device).eval()
-        else:
-            run.rollout_model = copy.deepcopy(run.model).eval()
-        if run.device.type == "cuda":
-            run.rollout_model.to(torch.bfloat16)
+        # parameters in the compute dtype (bf16 on a GPU), buffers exactly the policy's (rotary frequencies
+        # in fp32); a sharded policy is copied one gathered tensor at a time
+        run.rollout_model = D.rollout_copy(run.model, torch.bfloat16 if run.device.type == "cuda" else torch.float32,
+                                           run.device)
         for p in run.rollout_model.parameters():
             p.requires_grad_(False)
         run.engine = HFEngine(run.rollout_model, run.tok, **kw)

@@ -22,6 +22,7 @@ Test: pytest tests/test_checkpoint.py tests/test_train.py (two gloo ranks under 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -152,6 +153,20 @@ def all_gather_obj(x):
     return out
 
 
+def seed_rank(seed: int):
+    """Python's, NumPy's and torch's generators from `seed` plus this rank: each rank draws its own numbers (a
+    model built from a seed re-seeds for itself, so that every rank builds the same one)."""
+    random.seed(seed + RANK)
+    np.random.seed(seed + RANK)
+    torch.manual_seed(seed + RANK)
+
+
+def local_world(environ=os.environ) -> int:
+    """The ranks on this host (torchrun's LOCAL_WORLD_SIZE; without torchrun, the world): the ones that share
+    its cores."""
+    return int(environ.get("LOCAL_WORLD_SIZE", WORLD))
+
+
 def cpu_threads(world: int, environ=os.environ) -> int:
     """Intra-op threads per rank: OMP_NUM_THREADS when the user set it, else the cores shared out."""
     if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
@@ -223,10 +238,25 @@ def unsharded_copy(model, dtype: torch.dtype, device):
 
 @torch.no_grad()
 def copy_buffers(dst, src: dict):
-    """dst's buffers := the tensors of the same names in `src` (the ones no state dict carries, e.g. rotary
-    frequencies, which a model built on the meta device lacks)."""
+    """dst's buffers := the tensors of the same names in `src`, in src's dtype (the ones no state dict carries,
+    e.g. rotary frequencies, which a model built on the meta device lacks; fp32 in every Hugging Face model)."""
     for n, b in dst.named_buffers():
-        b.copy_(src[n])
+        b.data = src[n].detach().to(device=b.device).clone()
+
+
+def rollout_copy(model, dtype: torch.dtype, device):
+    """[ours] The HF engine's rollout weights (π_old): a plain copy of the policy (FSDP2-sharded or not) whose
+    parameters are in `dtype` and whose buffers are exactly the policy's, dtype included. Casting the whole
+    copy (`.to(torch.bfloat16)`) would round the rotary frequencies (`inv_freq`) as well: the sampler's angles
+    would then drift from the trainer's by position × the rounding error (about 2 rad at position 2,048), and
+    π_old, the teacher and the samples would come from another model than π_θ. A collective when sharded."""
+    from torch.distributed.fsdp import FSDPModule
+    out = unsharded_copy(model, dtype, device) if isinstance(model, FSDPModule) else copy.deepcopy(model).to(device)
+    with torch.no_grad():
+        for p in out.parameters():        # parameters only; a tied head is one parameter, cast once
+            p.data = p.data.to(dtype)
+    copy_buffers(out, dict(model.named_buffers()))
+    return out.eval()
 
 
 @torch.no_grad()
@@ -320,7 +350,7 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict):
     """Write <run>/ckpt/step_<step>: sharded, atomic (see above), then delete every other step_* but the
     newest complete one before it. Collective under FSDP2: no rank ever holds the full state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     from torch.utils._pytree import tree_leaves
     if any(isinstance(x, torch.Tensor) for x in tree_leaves(extra)):
         raise TypeError("save_checkpoint: `extra` must hold plain python objects, no tensors")
@@ -332,13 +362,22 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict):
     if dist.is_initialized():
         dist.barrier()
     checksum = param_checksum(model)
-    msd, osd = get_state_dict(model, opt)   # under FSDP2 this rank's shards (DTensors), no gather
-    dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    # An optimizer that has not stepped yet has no state, and get_state_dict would make one by taking a zero-lr
+    # step: Adam's count would read 1 with zero moments, in the checkpoint and in the running optimizer, and the
+    # first real update would be 0.744× a fresh one. Its checkpoint holds the weights alone.
+    stepped = bool(opt.state)
+    if stepped:
+        msd, osd = get_state_dict(model, opt)   # under FSDP2 this rank's shards (DTensors), no gather
+        state = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     # gathered after dcp.save (whatever it might draw), so they are the states the run goes on with;
     # a collective, so past it every rank has written its shards
-    rng = all_gather_obj({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()})
+    rng = all_gather_obj({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None})
     if RANK == 0:
-        torch.save({"step": step, "rng": rng, "extra": extra, "checksum": checksum}, tmp / "extra.pt")
+        torch.save({"step": step, "rng": rng, "extra": extra, "checksum": checksum, "optim": stepped}, tmp / "extra.pt")
         (tmp / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
         (tmp / "COMPLETE").write_text(json.dumps({"step": step, "world": WORLD}))
         for f in ("extra.pt", "args.json", "COMPLETE", "."):
@@ -399,17 +438,24 @@ def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
     (`param_checksum`), else the checkpoint does not load. Returns {"step", "rng", "extra", "path"}; None without checkpoints.
     A damaged one is named and the previous one tried; when none loads, an error naming each."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
     bad = []
     for d in checkpoints(run_dir):
         err = all_gather_obj(checkpoint_damage(d) if RANK == 0 else None)[0]   # rank 0's verdict for all
         if err is None:
             try:   # dcp.load raises on every rank when one rank's read fails
-                msd, osd = get_state_dict(model, opt)   # fresh each try: overwrites a failed try's partial load
-                dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(d),
-                         no_dist=not dist.is_initialized())
-                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
                 st = torch.load(d / "extra.pt", map_location="cpu", weights_only=False)
+                opt.state.clear()         # each try starts fresh: no state from a failed try's partial load
+                if st.get("optim", True):
+                    msd, osd = get_state_dict(model, opt)
+                    dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(d),
+                             no_dist=not dist.is_initialized())
+                    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+                else:                     # saved before the optimizer's first step: the weights alone, no state
+                    msd = get_model_state_dict(model)
+                    dcp.load({"model": msd}, storage_reader=dcp.FileSystemReader(d), no_dist=not dist.is_initialized())
+                    set_model_state_dict(model, msd)
                 got, want = param_checksum(model), st.get("checksum")
                 if want is not None and not np.allclose(got, want, rtol=1e-9, atol=0.0):
                     raise ValueError(f"the loaded weights give the checksum {got}, the saved ones gave {want}")
@@ -422,6 +468,8 @@ def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
             random.setstate(r["python"])
             np.random.set_state(r["numpy"])
             torch.set_rng_state(r["torch"])
+            if r.get("cuda") is not None and torch.cuda.is_available():   # the HF engine samples from it on a GPU
+                torch.cuda.set_rng_state(r["cuda"])
             return {**st, "path": d}
         print0(f"checkpoint damaged, {err}; trying the previous one")
         bad.append(err)

@@ -21,9 +21,11 @@ What it runs, with no downloads:
    section's time, env steps included); update tokens/s and MFU; the sampler–trainer log-prob gap on the
    freely sampled tokens; skill validity and the teacher's share of turns.
 
-MFU counts model FLOPs, 6·N + 12·L·d·S per trained token (N matmul parameters with the LM head, L blocks,
-d hidden, S the mean sequence length), not the recomputation of activation checkpointing, against the
-GPU's dense bf16 peak (`--peak_tflops`, or from the device name: H100 / H200 SXM 989 TFLOP/s).
+MFU is per GPU: the update's model FLOPs (`update_flops`: the decoder blocks' matmuls and causal attention
+at every token of every trained sequence, the LM head at response tokens only, where the trainer computes
+logits, ×3 with the backward, no recomputation of activation checkpointing), over the ranks, over the
+update's seconds, over one GPU's dense bf16 peak (`--peak_tflops`, or from the device name: H100 / H200 SXM
+989 TFLOP/s).
 
 Pass: both runs exit 0, run B resumed at run A's last step, every step of A and B is in metrics.jsonl,
 both evaluations ran, no optimizer step was skipped for a non-finite gradient, every loss is finite, and
@@ -145,16 +147,26 @@ def compare(a: list[list[float]], b: list[torch.Tensor]) -> dict:
     return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "tokens": int(d.numel())}
 
 
-def matmul_params(path: str) -> tuple[int, dict]:
-    """Parameters that take part in a matmul per token (all but the input embedding; a tied one is the LM
-    head), and the config, from a checkpoint folder without loading its weights."""
+def matmul_params(path: str) -> tuple[int, int, dict]:
+    """The weights of the decoder blocks' matmuls (every Linear of every block), those of the LM head (V·d), and
+    the config, from a checkpoint folder without loading its weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(cfg)
-    total = sum(p.numel() for p in m.parameters())
-    emb = cfg.vocab_size * cfg.hidden_size
-    return (total if cfg.tie_word_embeddings else total - emb), cfg.to_dict()
+    blocks = sum(mod.weight.numel() for mod in m.model.layers.modules() if isinstance(mod, torch.nn.Linear))
+    return blocks, cfg.vocab_size * cfg.hidden_size, cfg.to_dict()
+
+
+def update_flops(blocks: int, head: int, layers: int, d_attn: int, seq_tokens: float, seq_tokens_sq: float,
+                 response_tokens: float) -> float:
+    """Model FLOPs of one update, forward and backward: per token of every trained sequence 2·blocks (the decoder
+    blocks' matmul weights) and 2·layers·S·d_attn (causal attention over a sequence of length S: scores and
+    values, 2 FLOPs a multiply-add, against S/2 keys on average), per response token 2·head for the LM head
+    (logits are computed at response positions only), all ×3 with the backward; no activation recompute.
+    seq_tokens = Σ S_i, seq_tokens_sq = Σ S_i², response_tokens = Σ R_i over the sequences."""
+    forward = 2 * blocks * seq_tokens + 2 * layers * d_attn * seq_tokens_sq + 2 * head * response_tokens
+    return 3 * forward
 
 
 def sft_file(work_dir: Path) -> Path:
@@ -221,19 +233,21 @@ def peak_flops(args) -> tuple[float, str]:
     return float("nan"), f"{name}: unknown peak (give --peak_tflops)"
 
 
-def step_figures(row: dict, n_mm: int, cfg: dict, peak: float) -> dict:
-    """One step's throughput figures from its metrics.jsonl row."""
-    L, d = cfg["num_hidden_layers"], cfg["hidden_size"]
+def step_figures(row: dict, blocks: int, head: int, cfg: dict, peak: float, ranks: int) -> dict:
+    """One step's throughput figures from its metrics.jsonl row, per GPU (the row's token counts are totals
+    over the ranks; the seconds are rank 0's)."""
+    d_attn = cfg["num_attention_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     tok, t_up = row.get("update/seq_tokens", 0), row.get("time/update", float("nan"))
-    seqs = max(1, row.get("train/turns_updated", 0))
-    S = tok / seqs
+    flops = update_flops(blocks, head, cfg["num_hidden_layers"], d_attn, tok, row.get("update/seq_tokens_sq", 0),
+                         row.get("update/response_tokens", 0))
     out = {"step": row["step"], "gen_tokens": row.get("rollout/gen_tokens", 0),
-           "gen_tokens_per_s": row.get("rollout/gen_tokens", 0) / row.get("time/rollout", float("nan")),
-           "update_tokens": tok, "update_tokens_per_s": tok / t_up,
-           "update_mfu": (6 * n_mm + 12 * L * d * S) * tok / t_up / peak,
+           "gen_tokens_per_s": row.get("rollout/gen_tokens", 0) / ranks / row.get("time/rollout", float("nan")),
+           "update_tokens": tok, "update_tokens_per_s": tok / ranks / t_up,
+           "update_mfu": flops / ranks / t_up / peak,
            "seconds": {k: row[f"time/{k}"] for k in PHASES + ("step",) if f"time/{k}" in row},
            "mem_gib": {k: row[f"mem/{k}"] for k in PHASES + ("reserved",) if f"mem/{k}" in row}}
-    for k in ("rollout/logp_diff_mean", "rollout/logp_diff_max", "skill/valid_frac", "trust/frac_teacher",
+    for k in ("rollout/logp_diff_mean", "rollout/logp_diff_max", "update/first_logp_gap_mean",
+              "update/first_logp_gap_max", "skill/valid_frac", "trust/frac_teacher",
               "train/success", "train/turns_updated", "loss", "skill_loss", "kl/k3", "opsd/loss", "update/grad_norm", "teacher/prompt_overflow"):
         if k in row:
             out[k] = row[k]
@@ -257,9 +271,9 @@ def main(argv=None) -> int:
         res["transformers"] = transformers.__version__
     except ImportError:
         pass
-    n_mm, cfg = matmul_params(model)
+    blocks, head, cfg = matmul_params(model)
     peak, res["peak"] = peak_flops(args)
-    res["matmul_params"] = n_mm
+    res["matmul_params"] = blocks + head
     rc_a, t_a, out_a = run(train_cmd(args, model, sft, args.steps_a), work / "run_a.log", args.timeout)
     summary_a = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     rc_b, t_b, out_b = run(train_cmd(args, model, sft, args.steps_b), work / "run_b.log", args.timeout)
@@ -274,7 +288,7 @@ def main(argv=None) -> int:
                 "run_b": {"exit": rc_b, "seconds": round(t_b, 1), "phases": {k: v for k, v in summary_b.items()
                                                                             if k.startswith("phase/")},
                           "eval": summary_b.get("eval/success")},
-                "steps": [step_figures(r, n_mm, cfg, peak) for r in steps]})
+                "steps": [step_figures(r, blocks, head, cfg, peak, args.nproc) for r in steps]})
     gaps = [r["rollout/logp_diff_mean"] for r in steps if "rollout/logp_diff_mean" in r]
     c = res["checks"]
     c["run_a_exit_0"] = rc_a == 0
@@ -286,6 +300,10 @@ def main(argv=None) -> int:
     losses = [v for r in steps for k, v in r.items() if k in ("loss", "skill_loss")]
     c["losses_finite"] = bool(losses) and all(math.isfinite(v) for v in losses)
     c["sampler_gap_ok"] = bool(gaps) and max(gaps) <= args.tol_gap
+    # π_θ before the step's first optimizer step is π_old: the policy's log-probs of the sampled tokens must be
+    # π_old's up to the compute dtype's noise (a copy whose weights or buffers differ shows here)
+    first = [r["update/first_logp_gap_mean"] for r in steps if "update/first_logp_gap_mean" in r]
+    c["policy_is_pi_old_ok"] = bool(first) and max(first) <= args.tol_gap
     res["pass"] = all(c.values())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -299,8 +317,9 @@ def table(res: dict) -> str:
              f"matmul params) | engine {res['engine']} | {res['ranks']} rank(s) | peak {res['peak']}"]
     for s in res["steps"]:
         lines.append(f"step {s['step']}: gen {s['gen_tokens_per_s']:.0f} tok/s | update {s['update_tokens_per_s']:.0f} tok/s, "
-                     f"MFU {s['update_mfu']:.3f} | gap mean {s.get('rollout/logp_diff_mean', float('nan')):.4f} max "
-                     f"{s.get('rollout/logp_diff_max', float('nan')):.3f} | skills valid {s.get('skill/valid_frac', 0):.2f}, "
+                     f"MFU {s['update_mfu']:.3f} (per GPU) | sampler gap mean {s.get('rollout/logp_diff_mean', float('nan')):.4f} "
+                     f"max {s.get('rollout/logp_diff_max', float('nan')):.3f} | policy − π_old before the update "
+                     f"{s.get('update/first_logp_gap_mean', float('nan')):.4f} | skills valid {s.get('skill/valid_frac', 0):.2f}, "
                      f"teacher {s.get('trust/frac_teacher', 0):.2f}")
         lines.append("   seconds " + " ".join(f"{k} {v:.1f}" for k, v in s["seconds"].items()))
         if s["mem_gib"]:

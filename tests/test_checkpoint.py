@@ -79,6 +79,32 @@ def test_save_then_load_restores_model_optimizer_and_rng_exactly(tmp_path):
         D.save_checkpoint(tmp_path, model, opt, 2, ARGS, {"ref": model.state_dict()})
 
 
+def test_a_checkpoint_before_the_first_optimizer_step_leaves_adam_fresh(tmp_path):
+    # Saved before any optimizer step (a SIGTERM during the warm start, a step whose update was skipped): the
+    # optimizer must have no state, in the run that saved and in the one that resumes, so that the first real
+    # update is a fresh AdamW step (get_state_dict's zero-lr step made it 0.744x one, with step count 2).
+    def first_update(model, opt):
+        before = _params(model)
+        _train_step(model, opt)
+        return {k: v - before[k] for k, v in _params(model).items()}, _adam(opt)
+
+    model, opt = _model_opt(0)
+    D.save_checkpoint(tmp_path, model, opt, 0, ARGS, {})
+    assert not opt.state                                  # saving did not step the optimizer
+    model2, opt2 = _model_opt(1)
+    st = D.load_checkpoint(tmp_path, model2, opt2)
+    assert st["step"] == 0 and not opt2.state and _equal(_params(model2), _params(model))
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    fresh_model, fresh_opt = _model_opt(0)
+    want, want_adam = first_update(fresh_model, fresh_opt)
+    random.setstate(rng[0]), np.random.set_state(rng[1]), torch.set_rng_state(rng[2])
+    got, got_adam = first_update(model2, opt2)
+    assert all(torch.allclose(got[k], want[k], rtol=1e-6, atol=1e-9) for k in want)
+    assert all(float(s["step"]) == 1.0 for s in got_adam.values())
+    assert sorted(p.name for p in st["path"].iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "args.json",
+                                                            "extra.pt"]
+
+
 def _damage(d: Path, how: str) -> Path:
     """Damage checkpoint folder d; the file a report must name."""
     shard = d / "__0_0.distcp"
@@ -252,6 +278,15 @@ def test_threads_respect_omp_num_threads():
     assert D.cpu_threads(2, {"OMP_NUM_THREADS": "3"}) == 3           # the user's choice stands
     assert D.cpu_threads(2, {}) == max(1, (os.cpu_count() or 2) // 2)  # else the cores shared out over ranks
     assert D.cpu_threads(1, {"OMP_NUM_THREADS": "0"}) == max(1, os.cpu_count() or 2)
+    # the cores are shared by the ranks of this host: 2 of 16 ranks per node share it, not 16
+    assert D.local_world({"LOCAL_WORLD_SIZE": "2"}) == 2 and D.local_world({}) == D.WORLD
+
+
+def test_each_rank_seeds_its_own_generators(monkeypatch):
+    monkeypatch.setattr(D, "RANK", 1)
+    D.seed_rank(5)
+    assert torch.initial_seed() == 6 and random.random() == random.Random(6).random()
+    assert np.random.rand() == np.random.RandomState(6).rand()
 
 
 if __name__ == "__main__":   # torchrun worker of test_two_ranks_write_per_rank_shards_and_resume_exactly

@@ -109,6 +109,8 @@ full = D.full_state(model)                       # every rank: the whole model, 
 ref = real(AutoModelForCausalLM, sys.argv[2], dtype=torch.float32)
 want = ref.state_dict()
 copy = D.unsharded_copy(model, torch.float32, torch.device("cpu"))
+roll = D.rollout_copy(model, torch.bfloat16, torch.device("cpu"))   # the GPU path's rollout copy, on CPU
+ref_buffers = dict(ref.named_buffers())
 out = {"rank": D.RANK, "from_pretrained_calls": len(calls),
        "sharded": all(hasattr(p, "to_local") for p in model.parameters()),
        "local_numel": sum(p.to_local().numel() for p in model.parameters()),
@@ -119,7 +121,11 @@ out = {"rank": D.RANK, "from_pretrained_calls": len(calls),
        "copy_equal": all(torch.equal(v, want[k]) for k, v in copy.state_dict().items()),
        "eos": model.generation_config.eos_token_id,
        "tied": model.lm_head.weight is model.model.embed_tokens.weight and len(list(model.parameters())) == len(list(ref.parameters())),
-       "copy_tied": copy.lm_head.weight is copy.model.embed_tokens.weight}
+       "copy_tied": copy.lm_head.weight is copy.model.embed_tokens.weight,
+       "roll_params_bf16": all(p.dtype == torch.bfloat16 for p in roll.parameters()),
+       "roll_buffers_exact": all(b.dtype == ref_buffers[n].dtype and torch.equal(b, ref_buffers[n])
+                                 for n, b in roll.named_buffers()) and len(list(roll.named_buffers())) >= 1,
+       "roll_tied": roll.lm_head.weight is roll.model.embed_tokens.weight}
 open(sys.argv[3] + f"/rank{D.RANK}.json", "w").write(json.dumps(out))
 D.barrier()
 torch.distributed.destroy_process_group()
@@ -155,4 +161,26 @@ def test_a_real_model_is_sharded_as_it_loads(tmp_path):
         assert r["sharded"] and r["params_equal"] and r["buffers_equal"] and r["copy_equal"] and r["n_buffers"] >= 1
         assert r["eos"] == [3, 5]                                  # the checkpoint's generation config
         assert r["tied"] and r["copy_tied"]                        # one embedding matrix, as in the checkpoint
+        # the rollout copy: parameters in bf16, the rotary frequencies the policy's own fp32 values
+        assert r["roll_params_bf16"] and r["roll_buffers_exact"] and r["roll_tied"]
     assert r0["local_numel"] + r1["local_numel"] == r0["total_numel"] and r1["local_numel"] < r0["total_numel"]
+
+
+def test_the_rollout_copy_keeps_the_policys_buffers_in_their_dtype():
+    """The HF engine's rollout copy on a GPU has bf16 parameters; its buffers (rotary inv_freq) must stay the
+    policy's fp32 values: rounded to bf16, the angle at position p is off by p × the rounding error."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, tie_word_embeddings=True)
+    policy = Qwen2ForCausalLM(cfg)
+    roll = D.rollout_copy(policy, torch.bfloat16, torch.device("cpu"))
+    buffers = dict(policy.named_buffers())
+    assert buffers and all(p.dtype == torch.bfloat16 for p in roll.parameters())
+    for n, b in roll.named_buffers():
+        assert b.dtype == buffers[n].dtype == torch.float32 and torch.equal(b, buffers[n]), n
+    assert roll.lm_head.weight is roll.model.embed_tokens.weight and not roll.training
+    assert all(p.dtype == torch.float32 for p in policy.parameters())      # the policy itself is untouched
+    # what casting the whole copy did: inv_freq rounded, the angle at position 2,048 off by up to ~1 rad
+    rounded = buffers["model.rotary_emb.inv_freq"].to(torch.bfloat16).float()
+    assert (2048 * (rounded - buffers["model.rotary_emb.inv_freq"])).abs().max() > 0.1

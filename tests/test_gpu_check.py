@@ -21,7 +21,7 @@ def test_gpu_check_runs_train_py_end_to_end_on_cpu(tmp_path):
                        timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["pass"] and all(res["checks"].values()) and len(res["checks"]) == 8
+    assert res["pass"] and all(res["checks"].values()) and len(res["checks"]) == 9
     assert [s["step"] for s in res["steps"]] == [1, 2]
     log_b = (tmp_path / "w" / "run_b.log").read_text()
     assert "resumed from" in log_b and "at step 1 (weights match the checksum saved with them)" in log_b
@@ -33,17 +33,31 @@ def test_gpu_check_runs_train_py_end_to_end_on_cpu(tmp_path):
     assert s["gen_tokens"] > 0 and s["update_tokens"] > 0 and s["update_tokens_per_s"] > 0
     assert set(s["seconds"]) >= {"rollout", "skills", "score", "update", "sync", "step"}
     assert s["rollout/logp_diff_mean"] < 1e-4          # fp32, the same weights on both sides
-    assert res["matmul_params"] == gpu_check.matmul_params(res["model"])[0]
+    assert s["update/first_logp_gap_mean"] < 1e-4      # π_θ before its first optimizer step is π_old
+    blocks, head, _ = gpu_check.matmul_params(res["model"])
+    assert res["matmul_params"] == blocks + head
     assert "PASS" in r.stdout
 
 
 def test_model_flops_count_on_a_hand_sized_model(tmp_path):
-    """Matmul parameters of a built tiny Qwen2 (tied head): 2 blocks of q, k, v (with biases), o, and the
-    three MLP matrices, the norms, and the head, which is the embedding."""
+    """Matmul weights of a built tiny Qwen2: per block q, k, v, o and the three MLP matrices (no biases, no
+    norms); the head is V·d whether tied or not."""
     h, L, heads, kv, inter, _ = gpu_check.SIZES["tiny"]
     d_kv = kv * (h // heads)
-    block = (h * h + h) + 2 * (h * d_kv + d_kv) + h * h + 3 * h * inter + 2 * h
-    want = L * block + h + 151936 * h
     args = gpu_check.parse(["--size", "tiny", "--work_dir", str(tmp_path), "--cache_dir", str(tmp_path / "c")])
-    n, cfg = gpu_check.matmul_params(gpu_check.build_model(args))
-    assert n == want and cfg["vocab_size"] == 151936 and cfg["tie_word_embeddings"]
+    blocks, head, cfg = gpu_check.matmul_params(gpu_check.build_model(args))
+    assert blocks == L * (2 * h * h + 2 * h * d_kv + 3 * h * inter) and head == 151936 * h
+    assert cfg["vocab_size"] == 151936 and cfg["tie_word_embeddings"]
+
+
+def test_update_flops_by_hand():
+    # 100 block weights, head 50, 2 layers, d_attn 4; sequences of 3 and 5 tokens with 1 and 2 response tokens:
+    # forward 2·100·8 + 2·2·4·(9 + 25) + 2·50·3 = 1600 + 544 + 300 = 2444, ×3 with the backward
+    assert gpu_check.update_flops(100, 50, 2, 4, 8, 34, 3) == 3 * 2444
+    # the figures are per GPU: the same row on 2 ranks gives half the tokens/s and half the MFU of 1 rank
+    row = {"step": 1, "update/seq_tokens": 8, "update/seq_tokens_sq": 34, "update/response_tokens": 3,
+           "time/update": 2.0, "time/rollout": 1.0, "rollout/gen_tokens": 10}
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 1, "hidden_size": 4}
+    one, two = (gpu_check.step_figures(row, 100, 50, cfg, 1.0, w) for w in (1, 2))
+    assert one["update_mfu"] == 3 * 2444 / 2.0 and two["update_mfu"] == one["update_mfu"] / 2
+    assert two["update_tokens_per_s"] == 2.0 and two["gen_tokens_per_s"] == 5.0
