@@ -25,8 +25,8 @@ import torch.distributed as dist
 from harness import cpu_preset
 from harness.cpu_preset import is_tiny
 from infra import distributed as D
-from infra.distributed import all_gather_obj, all_reduce, check_resume, checkpoints, full_state, load_checkpoint, print0, \
-    save_checkpoint
+from infra.distributed import (agreed_checkpoints, all_gather_obj, all_reduce, check_resume, full_state,
+                               load_checkpoint, print0, save_checkpoint)
 from infra.io import jsonl_lines, write_json
 from envs import EnvData, env_data, make_pool
 from infra.env_backends import EnvDataError
@@ -166,7 +166,7 @@ def restore(run: "Run", snap: dict):
 
 def stop_preempted(run: "Run", done: int):
     """Write the checkpoint after `done` steps (unless the newest one is that) and exit with 143."""
-    newest = checkpoints(run.run_dir)
+    newest = agreed_checkpoints(run.run_dir)   # rank 0's listing: every rank saves, or none
     if not newest or int(newest[0].name[5:]) != done:
         save(run, done)
     print0(f"preempted (SIGTERM): checkpoint of step {done} written; the same command resumes from it")
@@ -412,7 +412,7 @@ def resume(run: "Run") -> bool:
     """Load the newest checkpoint into the policy and optimizer, with the run's state saved beside it (step,
     skill bank and running means, RNG, metrics rows up to that step, env steps spent). False: none to load."""
     a = run.args
-    state = load_checkpoint(run.run_dir, run.model, run.opt) if a.resume and checkpoints(run.run_dir) else None
+    state = load_checkpoint(run.run_dir, run.model, run.opt) if a.resume and agreed_checkpoints(run.run_dir) else None
     if state is None:
         return False
     ex = state["extra"]

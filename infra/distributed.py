@@ -338,6 +338,14 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda d: int(d.name[5:]), reverse=True)
 
 
+def agreed_checkpoints(run_dir: Path) -> list[Path]:
+    """`checkpoints` as rank 0 lists them, on every rank (a collective). On a shared file system with attribute
+    caching the ranks' own listings can differ, and ranks that decided differently whether to resume, which
+    checkpoint to load or whether to save would call different collectives and hang: rank 0 decides for all."""
+    names = all_gather_obj([d.name for d in checkpoints(run_dir)] if RANK == 0 else None)[0]
+    return [run_dir / "ckpt" / n for n in names]
+
+
 def _fsync(path: Path):   # a file's data, or a folder's entries, on disk before the rename relies on them
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -400,8 +408,8 @@ RESUME_MUST_MATCH = ("algo", "model", "env", "tiny_hidden", "tiny_layers", "seed
 def check_resume(run_dir: Path, args):
     """Refuse, before any compute, to resume a checkpoint written with other core flags (e.g. a GRPO
     run's ckpt picked up by an --algo rsipo run of the same --run_name). Every complete checkpoint is
-    checked: a damaged newest one falls back to the previous."""
-    for d in checkpoints(run_dir):
+    checked: a damaged newest one falls back to the previous. Rank 0's listing decides (a collective)."""
+    for d in agreed_checkpoints(run_dir):
         f = d / "args.json"
         if f.exists():
             saved = json.loads(f.read_text())
@@ -441,8 +449,8 @@ def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                          set_state_dict)
     bad = []
-    for d in checkpoints(run_dir):
-        err = all_gather_obj(checkpoint_damage(d) if RANK == 0 else None)[0]   # rank 0's verdict for all
+    for d in agreed_checkpoints(run_dir):   # rank 0's listing and verdicts for all
+        err = all_gather_obj(checkpoint_damage(d) if RANK == 0 else None)[0]
         if err is None:
             try:   # dcp.load raises on every rank when one rank's read fails
                 st = torch.load(d / "extra.pt", map_location="cpu", weights_only=False)

@@ -213,6 +213,16 @@ def _two_rank_worker(out: Path):
     torch.distributed.barrier()
     model, opt = _model_opt(2, sharded=True)
     assert D.load_checkpoint(out, model, opt)["step"] == 1 and _equal(_params(model), params1)
+    # a shared file system whose listing is stale on rank 1 (NFS attribute caching): rank 0's decides for both,
+    # so that both load the same checkpoint (rank 1 alone would find none and leave rank 0 in a collective)
+    listing = D.checkpoints
+    if D.RANK == 1:
+        D.checkpoints = lambda run_dir: []
+    D.check_resume(out, ARGS)
+    model, opt = _model_opt(3, sharded=True)
+    assert D.load_checkpoint(out, model, opt)["step"] == 1 and _equal(_params(model), params1)
+    assert [d.name for d in D.agreed_checkpoints(out)] == ["step_000002", "step_000001"]
+    D.checkpoints = listing
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
