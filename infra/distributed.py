@@ -62,6 +62,9 @@ def setup(timeout_min: float = 60.0) -> tuple[int, int]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if "RANK" in os.environ and not dist.is_initialized():
         import datetime
+        why = loopback_gloo(os.environ)
+        if why:
+            raise SystemExit(f"error: {why}")
         kw = {}
         if cuda:
             local = int(os.environ.get("LOCAL_RANK", 0))
@@ -151,6 +154,28 @@ def all_gather_obj(x):
     out = [None] * WORLD
     dist.all_gather_object(out, x)
     return out
+
+
+def loopback_gloo(environ, resolve=None) -> Optional[str]:
+    """Why a start on several hosts would hang, or None. Gloo (the host collectives, and vLLM's CPU groups) binds
+    to the address this host's name resolves to; where that is loopback (Debian's default /etc/hosts maps the
+    hostname to 127.0.1.1), the other hosts cannot reach it and the start waits out --dist_timeout. Several hosts:
+    WORLD_SIZE above LOCAL_WORLD_SIZE; GLOO_SOCKET_IFNAME set means the user chose the interface."""
+    import socket
+    world = int(environ.get("WORLD_SIZE", 1))
+    local = int(environ.get("LOCAL_WORLD_SIZE", world))
+    if world <= local or environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    host = socket.gethostname()
+    try:
+        addr = (resolve or socket.gethostbyname)(host)
+    except OSError:
+        return None
+    if not addr.startswith("127."):
+        return None
+    return (f"{world} ranks on several hosts, and this host's name {host!r} resolves to {addr} (loopback), where "
+            "gloo would listen and the other hosts cannot reach it: set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) "
+            "to the network interface the hosts share, e.g. GLOO_SOCKET_IFNAME=eth0 (`ip -br addr` lists them)")
 
 
 def seed_rank(seed: int):

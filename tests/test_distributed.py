@@ -184,3 +184,12 @@ def test_the_rollout_copy_keeps_the_policys_buffers_in_their_dtype():
     # what casting the whole copy did: inv_freq rounded, the angle at position 2,048 off by up to ~1 rad
     rounded = buffers["model.rotary_emb.inv_freq"].to(torch.bfloat16).float()
     assert (2048 * (rounded - buffers["model.rotary_emb.inv_freq"])).abs().max() > 0.1
+
+
+def test_several_hosts_with_a_loopback_hostname_are_refused_with_what_to_set():
+    two_hosts = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    why = D.loopback_gloo(two_hosts, resolve=lambda host: "127.0.1.1")
+    assert why and "GLOO_SOCKET_IFNAME" in why and "127.0.1.1" in why
+    assert D.loopback_gloo(two_hosts, resolve=lambda host: "10.0.0.7") is None              # a routable address
+    assert D.loopback_gloo({**two_hosts, "GLOO_SOCKET_IFNAME": "eth0"}, resolve=lambda h: "127.0.1.1") is None
+    assert D.loopback_gloo({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, resolve=lambda h: "127.0.1.1") is None
