@@ -61,3 +61,10 @@ def test_update_flops_by_hand():
     one, two = (gpu_check.step_figures(row, 100, 50, cfg, 1.0, w) for w in (1, 2))
     assert one["update_mfu"] == 3 * 2444 / 2.0 and two["update_mfu"] == one["update_mfu"] / 2
     assert two["update_tokens_per_s"] == 2.0 and two["gen_tokens_per_s"] == 5.0
+
+
+def test_quick_preset_and_flags_that_win_over_it(tmp_path):
+    q = gpu_check.parse(["--quick", "--work_dir", str(tmp_path)])
+    assert (q.sft_steps, q.steps_a, q.steps_b, q.eval_games) == (20, 2, 3, 8)
+    assert gpu_check.parse(["--quick", "--steps_b", "4", "--", "--sft_steps", "9"]).steps_b == 4   # given: kept
+    assert gpu_check.parse([]).sft_steps == 60 and gpu_check.parse([]).tol_gap == 0.05
