@@ -53,6 +53,11 @@ def setup(timeout_min: float = 60.0) -> tuple[int, int]:
     `timeout_min` [ours]: how long a collective may wait for the slowest rank (torch's NCCL default of 10
     minutes is shorter than one rank's share of a 7B evaluation, or rank 0 writing a 30 GB checkpoint)."""
     global RANK, WORLD
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        raise SystemExit(f"error: SLURM started {os.environ['SLURM_NTASKS']} tasks of train.py without torchrun: "
+                         "each would be a world of one, writing the same run folder. Launch one torchrun per node, "
+                         "e.g. srun --ntasks-per-node 1 torchrun --nnodes $SLURM_NNODES --nproc_per_node 8 "
+                         "--rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:29500 train.py ... (recipes/README.md)")
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ and cuda and not dist.is_initialized():
         import socket

@@ -193,3 +193,10 @@ def test_several_hosts_with_a_loopback_hostname_are_refused_with_what_to_set():
     assert D.loopback_gloo(two_hosts, resolve=lambda host: "10.0.0.7") is None              # a routable address
     assert D.loopback_gloo({**two_hosts, "GLOO_SOCKET_IFNAME": "eth0"}, resolve=lambda h: "127.0.1.1") is None
     assert D.loopback_gloo({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, resolve=lambda h: "127.0.1.1") is None
+
+
+def test_slurm_tasks_without_torchrun_are_refused_naming_torchrun(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    with pytest.raises(SystemExit, match="without torchrun.*srun --ntasks-per-node 1 torchrun"):
+        D.setup()
