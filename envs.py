@@ -763,7 +763,7 @@ class SearchPool:
         if self._closed:
             raise RuntimeError("SearchPool is closed")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:   # EnvPool's call; in-process, nothing to wait for
         self._closed = True
 
     def __enter__(self) -> "SearchPool":

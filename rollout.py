@@ -325,7 +325,8 @@ def request_seed(seed: int, task_id: str, copy: int, turn: int) -> int:
 def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_len: int = 5,
                  skills: Optional[dict[int, str]] = None, temperature: Optional[float] = None,
                  greedy: bool = False, constrained: bool = False, group_offset: int = 0, reserve: int = 0,
-                 progress: Optional[Callable[[int], None]] = None, seed: Optional[int] = None) -> list[Episode]:
+                 progress: Optional[Callable[[int], None]] = None, seed: Optional[int] = None,
+                 stop: Optional[Callable[[], bool]] = None) -> list[Episode]:
     """Play `n_per_task` episodes of every task in lock-step; all copies of a task start identically.
 
     tasks: dicts with the pool's `task_key` (ALFWorld `gamefile`, search `id`; optional
@@ -338,6 +339,9 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
     inserts later): the oldest history turns are left out until it does (`fit_prompt`). A turn whose prompt
     cannot fit even with no history is not generated: the env gets an empty action (one step spent, as
     for an unparsable response), the episode counts it in `ep.overflow`, and there is no training sample.
+
+    `stop` [ours]: checked before each lock-step turn (this rank only, no collective); when it says so, the
+    episodes are left where they are and returned unfinished: the caller, told of a SIGTERM, discards them.
 
     `seed` [ours]: each generation request gets its own sampling seed, a hash of (seed, task id, copy, turn)
     (`request_seed`), which an engine that samples each request on its own (vLLM) uses; so the same turn of
@@ -360,7 +364,7 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
         adm.append(info.get("admissible", []))
     active = [ep.error is None for ep in eps]
     step = 0
-    while any(active):
+    while any(active) and not (stop is not None and stop()):
         actions: list[Optional[str]] = [None] * len(eps)
         live = [i for i, a in enumerate(active) if a]
         idx, prompts = [], []              # the live episodes whose prompt fits, and their prompts
@@ -541,12 +545,14 @@ def sampler_gap(pairs) -> dict[str, float]:
 # Evaluation on held-out tasks
 
 def evaluate(engine, pool, games: list[str], *, repeats: int, seed: int, history_len: int, temperature: float,
-             constrained: bool = False, source_of: Optional[dict[str, str]] = None) -> tuple[dict, dict[str, float]]:
+             constrained: bool = False, source_of: Optional[dict[str, str]] = None,
+             stop: Optional[Callable[[], bool]] = None) -> tuple[dict, dict[str, float]]:
     """Success on held-out games (`repeats` episodes each, sampled at `temperature`, greedy at 0): the metrics
     (overall, per task type) and the success per game (for `paired_gain`); games split across ranks.
     `source_of` (task id → data source; search QA) adds the success per data source, `eval/success_<source>`,
     and their unweighted mean, `eval/success_source_mean`: the figure Search-R1 and its successors report
-    (exact match per data set, then the mean over data sets)."""
+    (exact match per data set, then the mean over data sets). `stop`: as in `run_episodes` (the figures of an
+    evaluation cut short mean nothing; the caller drops them)."""
     mine = games[distributed.RANK::distributed.WORLD]
     # [ours] common random numbers, so that start-vs-end is paired and an unchanged policy scores the same
     # (the training RNG is left untouched). HF engine: every evaluation starts its rank's generator from
@@ -559,7 +565,7 @@ def evaluate(engine, pool, games: list[str], *, repeats: int, seed: int, history
         torch.manual_seed(seed + distributed.RANK)
         eps = run_episodes(engine, pool, [{pool.task_key: g} for g in mine], repeats, history_len=history_len,
                            temperature=temperature, greedy=temperature <= 0, constrained=constrained,
-                           seed=seed) if mine else []
+                           seed=seed, stop=stop) if mine else []
     rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps), e.task_id) for e in eps]) for r in part]
     out = {"eval/success": float(np.mean([w for _, w, *_ in rows])) if rows else 0.0,
            "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for _, _, n, _ in rows])) if rows else 0.0}

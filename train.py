@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -519,7 +522,7 @@ def rollout_and_advantages(run: Run) -> Batch:
     picks = draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
     tasks = [{run.pool.task_key: run.data.train[i]} for i in picks[D.RANK::D.WORLD]]
     eps = run_episodes(run.engine, run.pool, tasks, N, history_len=a.history_len, temperature=a.temperature,
-                       constrained=a.constrained, reserve=run.skill_reserve)   # group id = task index k
+                       constrained=a.constrained, reserve=run.skill_reserve, stop=run.stop_now)   # group id = task k
     turns = [tr for e in eps for tr in e.turns]
     R = torch.tensor([eps[tr.episode_id].reward for tr in turns])             # [T] episode rewards
     invalid = torch.tensor([tr.invalid for tr in turns])                      # [T]
@@ -606,7 +609,7 @@ def replay(run: Run, b: Batch):
     # the replays (the first len(idx) tasks, each with its skill) and, for fresh, the same tasks without one
     b.replay_eps = run_episodes(run.engine, run.pool, tasks + tasks if fresh else tasks, M, history_len=a.history_len,
                                 skills={j: b.records[k].skill for j, k in enumerate(idx)},
-                                temperature=a.temperature, constrained=a.constrained) if idx else []
+                                temperature=a.temperature, constrained=a.constrained, stop=run.stop_now) if idx else []
     played = by_task(b.replay_eps, M)
     groups = by_task(b.eps, N)
     for j, k in enumerate(idx):
@@ -812,7 +815,9 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
 # ---- The warm start and the reference; the run's phases --------------------------------------------------------
 
 def begin(run: Run):
-    """Resume from the newest checkpoint, or warm-start (SFT) and evaluate the start; then the reference."""
+    """Resume from the newest checkpoint, or warm-start (SFT) and evaluate the start; then the reference.
+    A SIGTERM during the SFT saves its state and exits 143 (the same command continues the SFT); one during the
+    evaluation of the start raises `Preempted` (main writes the step-0 checkpoint; resuming redoes the evaluation)."""
     a = run.args
     run.model = shard(run.model, compute_dtype(a))
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
@@ -821,31 +826,47 @@ def begin(run: Run):
             draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
         run.ref = reference(run, resumed=True)   # before the sync: the rollout copy still holds the start
         sync_weights(run)
+        if a.eval and run.start == 0 and "eval/success_at_start" not in run.summary:
+            evaluate_start(run)           # a SIGTERM cut it short: the warm start was saved, its evaluation not
     else:
         warm_start(run)                   # syncs the rollout weights after SFT
+        if a.eval:
+            evaluate_start(run)
         run.ref = reference(run, resumed=False)
 
 
 def warm_start(run: Run):
-    """SFT on --sft_data (or the tiny preset's walkthroughs), saved as warm_start/; the start's evaluation."""
+    """SFT on --sft_data (or the tiny preset's walkthroughs), saved as warm_start/. [ours] A SIGTERM during the
+    SFT ends it after the current step with its state in <run>/sft (harness/sft.py) and exits 143."""
     a = run.args
     pairs = load_sft_jsonl(a.sft_data) if a.sft_data else (
         cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills) if a.model == "tiny" else [])
     if pairs and a.sft_steps:
         t0 = time.time()
         with run.phases("sft"):
-            loss, run.summary["sft/skipped"] = sft(run.model, run.tok, pairs, a, run.device)
+            loss, run.summary["sft/skipped"], stopped = sft(run.model, run.tok, pairs, a, run.device,
+                                                            stop=run.preempt.requested if run.preempt else None,
+                                                            state_dir=run.run_dir / "sft")
             run.summary["sft/final_loss"] = loss
+        if stopped:
+            print0("preempted (SIGTERM) during the warm start: its state is saved in sft/; the same command "
+                   "continues it")
+            raise SystemExit(143)
         print0(f"sft: {len(pairs)} samples, {a.sft_steps} steps, final loss {loss:.4f}, {time.time() - t0:.0f}s")
     sync_weights(run)
     if pairs and a.sft_steps:             # the warm-started policy: reusable with --model, and the reference
         with run.phases("save_policy"):
             save_policy(run, run.run_dir / "warm_start")
-    if a.eval:
-        ev, run.summary["eval_at_start/by_game"] = evaluate_and_print(run, "eval_at_start", "before RL")
-        run.summary["eval/success_at_start"] = ev["eval/success"]
-        run.summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
-        run.rows.append({"step": 0, **ev})
+        if D.RANK == 0:                   # the SFT's own state is no longer needed
+            shutil.rmtree(run.run_dir / "sft", ignore_errors=True)
+
+
+def evaluate_start(run: Run):
+    """The evaluation before RL (summary: eval/success_at_start, eval_at_start/*)."""
+    ev, run.summary["eval_at_start/by_game"] = evaluate_and_print(run, "eval_at_start", "before RL")
+    run.summary["eval/success_at_start"] = ev["eval/success"]
+    run.summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
+    run.rows.append({"step": 0, **ev})
 
 
 def reference(run: Run, resumed: bool):
@@ -877,10 +898,16 @@ def main(argv=None) -> dict:
         run = setup(parse_args(argv))
         a, run.preempt = run.args, Preemption()
         build_policy(run)
-        begin(run)
-        if run.preempt.requested():       # seen during the warm start
+        try:
+            begin(run)
+        except Preempted:                 # the evaluation of the start, cut short: the warm start is saved
             stop_preempted(run, run.start)
+        if run.preempt.requested():       # seen at the end of the start
+            stop_preempted(run, run.start)
+        done = run.start                  # RL steps done
         for step in tqdm(range(run.start, a.steps), desc="rl", disable=D.RANK != 0, initial=run.start, total=a.steps):
+            if a.max_env_steps and run.env_steps >= a.max_env_steps:
+                break                     # resumed after the budget was spent: on to the final evaluation
             snap = snapshot(run)
             try:
                 row = rl_step(run, step)
@@ -888,7 +915,10 @@ def main(argv=None) -> dict:
                 restore(run, snap)
                 stop_preempted(run, step)
             if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
-                row.update(evaluate_and_print(run, "eval_every", f"at step {step + 1}")[0])
+                try:
+                    row.update(evaluate_and_print(run, "eval_every", f"at step {step + 1}")[0])
+                except Preempted:         # cut short: the step is done, and the check below saves it and stops
+                    pass
             log_row(run, row)
             progress(f"step {step + 1:4d} | success {row['train/success']:.3f} | reward {row['train/reward']:.2f} | "
                      f"invalid {row['train/invalid_frac']:.3f} | kl {row.get('kl/k3', 0):.4f} | "
@@ -896,12 +926,16 @@ def main(argv=None) -> dict:
             out_of_budget = bool(a.max_env_steps) and run.env_steps >= a.max_env_steps
             if a.save_every and ((step + 1) % a.save_every == 0 or step + 1 == a.steps or out_of_budget):
                 save(run, step + 1)
+            done = step + 1
             if run.preempt.requested():
-                stop_preempted(run, step + 1)
+                stop_preempted(run, done)
             if out_of_budget:
                 print0(f"env-step budget {a.max_env_steps} reached after step {step + 1}")
                 break
-        finish(run)
+        try:
+            finish(run)
+        except Preempted:                 # the final evaluation, cut short: the same command redoes it
+            stop_preempted(run, done)
     finally:
         if run is not None and run.preempt is not None:
             run.preempt.close()
@@ -910,4 +944,11 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 143:                 # preempted: the checkpoint is on disk and the pools are closed; skip the
+            sys.stdout.flush()            # interpreter's teardown (seconds), which a scheduler's grace period may lack
+            sys.stderr.flush()
+            os._exit(143)
+        raise

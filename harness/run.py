@@ -68,6 +68,9 @@ class Run:
     generic_skill: Optional[Callable] = None  # [ours] task id → its type-level workflow (--teacher_skill generic)
     tool_action: Optional[Callable] = None    # [ours] (action, task type) → whether it uses the type's tool
 
+    def stop_now(self) -> bool:           # this rank has seen SIGTERM: cut the current rollout or evaluation short
+        return self.preempt is not None and self.preempt.seen
+
     @property
     def scorer(self):                     # π_old: the weights that sampled
         return self.rollout_model if self.rollout_model is not None else self.model
@@ -108,13 +111,16 @@ class Preempted(Exception):
 
 class Preemption:
     """[ours] SIGTERM, a scheduler's notice before it kills the job, stops the run with at most one step lost.
-    The handler only records the signal; the ranks agree on it with `requested()`, a collective that every
-    rank calls at the same points: before the first step, between a step's sections and at its end.
+    The handler only records the signal (`seen`: a rank's rollouts and evaluations stop at their next turn,
+    `Run.stop_now`, and the SFT after its current step); the ranks agree on it with `requested()`, a collective
+    that every rank calls at the same points: each SFT step, after an evaluation, before the first step,
+    between a step's sections and at its end.
     Seen before the update, the step is abandoned (`Preempted`; the loop restores the state the step began
     with, so a resumed run redoes it exactly); seen later, the step finishes. Then a checkpoint of the steps
     done is written and the run exits with 143 (128 + SIGTERM), so that the same command resumes.
-    Under torchrun, SIGTERM sent to torchrun reaches the workers, and torch's elastic agent kills them 30 s
-    later: a section longer than that (a 7B rollout) needs the signal sent to the workers themselves."""
+    Under torchrun, SIGTERM sent to torchrun reaches the workers, and torch's elastic agent kills them
+    --shutdown_timeout seconds later (30 by default): the update, the scoring and a skill-writing call are not
+    cut short, so the grace period must outlast them (METHOD.md §5.3; recipes/README.md)."""
 
     def __init__(self):
         self.seen = False
@@ -389,19 +395,23 @@ def teardown(run: Optional["Run"]):
         if run is not None and getattr(run.engine, "close", None):
             run.engine.close()
     finally:
-        if run is not None:
-            run.pool.close()
+        if run is not None:               # preempted: no time to wait for the env workers to stop on their own
+            run.pool.close(timeout=0.1 if run.stop_now() else 5.0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def evaluate_and_print(run: "Run", phase: str, when: str) -> tuple[dict, dict]:
-    """Held-out evaluation as the `phase` of the run's timer (rollout.evaluate), and one line saying it."""
+    """Held-out evaluation as the `phase` of the run's timer (rollout.evaluate), and one line saying it. A SIGTERM
+    cuts it short on the rank that saw it; then every rank raises `Preempted` (a collective decides)."""
     a, t0 = run.args, time.time()
     with run.phases(phase):
         ev, by_game = evaluate(run.engine, run.pool, run.eval_games, repeats=a.eval_repeats, seed=a.seed,
                                history_len=a.history_len, temperature=a.eval_temperature, constrained=a.constrained,
-                               source_of={i: r["data_source"] for i, r in run.data.records.items()} or None)
+                               source_of={i: r["data_source"] for i, r in run.data.records.items()} or None,
+                               stop=run.stop_now)
+    if run.preempt is not None and run.preempt.requested():   # cut short on some rank: the figures mean nothing
+        raise Preempted()
     print0(f"eval {when}: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
            f"({len(run.eval_games)} tasks x {a.eval_repeats}, {time.time() - t0:.0f}s)"
            + (f"; mean over data sources {ev['eval/success_source_mean']:.3f}" if "eval/success_source_mean" in ev else ""))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -55,10 +57,16 @@ def sft_loss_backward(model, batch: list[tuple[list[int], list[int]]], pad_id: i
     return total
 
 
-def sft(model, tok, pairs: list[tuple[str, str]], args, device) -> tuple[float, int]:
+def sft(model, tok, pairs: list[tuple[str, str]], args, device, stop: Optional[Callable[[], bool]] = None,
+        state_dir: Optional[Path] = None) -> tuple[float, int, bool]:
     """Behaviour cloning: token-mean cross-entropy on response tokens, AdamW with cosine decay. Returns the
-    last batch's loss and how many steps were skipped for a non-finite gradient norm (the weights stay as
-    they were: one NaN step would poison every weight)."""
+    last batch's loss, how many steps were skipped for a non-finite gradient norm (the weights stay as
+    they were: one NaN step would poison every weight), and whether it stopped early.
+
+    [ours] Preemption: `stop` (a collective every rank calls at each step: has any rank seen SIGTERM?) ends it
+    after the current step, with its state (weights, AdamW, the step, the batch sampler and the RNGs) saved
+    as a checkpoint in `state_dir`; a later call with the same `state_dir` resumes from there, so that the
+    warm start continues where it stopped and ends as an uninterrupted one would."""
     from tqdm import tqdm
     rng = random.Random(args.seed + 17 * D.RANK)
     # the response as the model writes it after the chat template's generation header, then EOS
@@ -71,10 +79,24 @@ def sft(model, tok, pairs: list[tuple[str, str]], args, device) -> tuple[float, 
             raise SystemExit(f"error: no SFT sample fits --max_prompt_tokens {args.max_prompt_tokens}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, args.sft_steps))))
+    start, loss, skipped = 0, float("nan"), 0
+    if state_dir is not None and D.agreed_checkpoints(state_dir):   # a warm start that a SIGTERM stopped
+        D.check_resume(state_dir, args)
+        st = D.load_checkpoint(state_dir, model, opt)
+        start, loss, skipped = st["step"], st["extra"]["loss"], st["extra"]["skipped"]
+        rng.setstate(st["extra"]["rng"][D.RANK])
+        sched.last_epoch = start - 1
+        sched.step()                      # the learning rate of step `start`
+        print0(f"sft: resumed at step {start} of {args.sft_steps} from {st['path']}")
+    print0(f"sft: {len(enc)} samples, steps {start + 1}..{args.sft_steps} of batch {args.sft_batch}")
     model.train()
-    bar = tqdm(range(args.sft_steps), desc="sft", disable=D.RANK != 0, mininterval=5)
-    loss, skipped = float("nan"), 0
+    bar = tqdm(range(start, args.sft_steps), desc="sft", disable=D.RANK != 0, mininterval=5, initial=start,
+               total=args.sft_steps)
     for s in bar:
+        if stop is not None and state_dir is not None and stop():   # every rank agrees: save the state after `s` steps and stop
+            D.save_checkpoint(state_dir, model, opt, s, args, {"loss": loss, "skipped": skipped,
+                                                               "rng": D.all_gather_obj(rng.getstate())})
+            return loss, skipped, True
         batch = [enc[rng.randrange(len(enc))] for _ in range(args.sft_batch)]
         opt.zero_grad(set_to_none=True)
         loss = sft_loss_backward(model, batch, tok.pad_token_id, device, args.sft_micro_tokens)
@@ -89,4 +111,4 @@ def sft(model, tok, pairs: list[tuple[str, str]], args, device) -> tuple[float, 
             bar.set_postfix(loss=f"{loss:.3f}", skipped=skipped)
     if skipped:
         print0(f"sft: {skipped} of {args.sft_steps} optimizer steps skipped for a non-finite gradient")
-    return loss, skipped
+    return loss, skipped, False

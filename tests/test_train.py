@@ -365,7 +365,7 @@ def test_sft_skips_a_step_whose_gradient_is_not_finite(monkeypatch):
         return loss
 
     monkeypatch.setattr(harness_sft, "sft_loss_backward", backward)
-    loss, skipped = harness_sft.sft(model, tok, pairs, args, "cpu")
+    loss, skipped, _ = harness_sft.sft(model, tok, pairs, args, "cpu")
     assert skipped == 2 and poison["n"] == 3
     after = model.state_dict()
     assert all(torch.isfinite(v).all() for v in after.values())
