@@ -200,3 +200,49 @@ def test_slurm_tasks_without_torchrun_are_refused_naming_torchrun(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "8")
     with pytest.raises(SystemExit, match="without torchrun.*srun --ntasks-per-node 1 torchrun"):
         D.setup()
+
+
+GRAD_CKPT = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from infra import distributed as D
+from transformers import Qwen2Config, Qwen2ForCausalLM
+D.setup()
+cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, tie_word_embeddings=True)
+out = {}
+for ckpt in (False, True):
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    if ckpt:   # as build_policy does before sharding (the GPU default)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = D.shard(model)
+    model.train()
+    torch.manual_seed(1 + D.RANK)   # each rank its own batch
+    ids = torch.randint(0, 64, (2, 12))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    out[ckpt] = (loss.item(), {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+(l0, g0), (l1, g1) = out[False], out[True]
+res = {"loss_equal": l0 == l1, "max_grad_diff": max(float((g0[n] - g1[n]).abs().max()) for n in g0),
+       "grad_norm": sum(float(g.norm()) for g in g0.values())}
+open(sys.argv[2] + f"/rank{D.RANK}.json", "w").write(json.dumps(res))
+D.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_fsdp2_with_activation_checkpointing_gives_the_same_loss_and_gradients(tmp_path):
+    """The GPU default (--grad_ckpt true under FSDP2), on 2 gloo ranks: recomputing each block in the backward
+    changes neither the loss nor a single gradient."""
+    import json
+    import subprocess
+    (tmp_path / "w.py").write_text(GRAD_CKPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29575",
+           str(tmp_path / "w.py"), str(ROOT), str(tmp_path)]
+    r = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for i in (0, 1):
+        res = json.loads((tmp_path / f"rank{i}.json").read_text())
+        assert res["loss_equal"] and res["max_grad_diff"] == 0.0 and res["grad_norm"] > 0, res
