@@ -33,7 +33,7 @@ FLAGS = ["--algo", "grpo", "--steps", "2", "--tasks_per_step", "2", "--group_siz
 # phase → (the output that precedes it, seconds to wait after it, extra train.py flags)
 PHASES = {"sft": ("steps 1..400", 1.0, ["--sft_steps", "400"]),
           "evaluation before RL": ("final loss", 0.0, ["--sft_steps", "40"]),
-          "rollout of step 1": ("eval before RL", 1.0, ["--sft_steps", "40"])}
+          "rollout of step 1": ("eval before RL", 0.0, ["--sft_steps", "40", "--max_turns", "50"])}
 
 
 def measure(phase: str, work: Path, port: int, grace: int) -> dict:
@@ -63,10 +63,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grace", type=int, default=30, help="torchrun's shutdown timeout, seconds")
     ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--phases", default=",".join(PHASES), help="comma list of the phases to measure")
     a = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        for i, phase in enumerate(PHASES):
+        for i, phase in enumerate(p for p in PHASES if p in a.phases.split(",")):
             rows.append(measure(phase, Path(work), 29591 + i, a.grace))
             r = rows[-1]
             print(f"{phase:22s} {r['seconds']:5.2f} s from SIGTERM to exit | stopped on their own: "
