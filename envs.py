@@ -826,7 +826,8 @@ def make_pool(args, data: EnvData):
     if args.env != "search":
         return EnvPool(num_workers=args.env_workers, max_steps=args.max_turns)
     if args.retriever_url:   # per-try timeout: a third of the step's budget (the client retries twice)
-        retriever = HTTPRetriever(args.retriever_url, timeout=args.retrieval_timeout * args.retrieval_batch / 3, retries=2)
+        retriever = HTTPRetriever(args.retriever_url, timeout=args.retrieval_timeout * args.retrieval_batch / 3,
+                                  retries=2)
     else:
         retriever = BM25Retriever(os.path.join(args.data_root, "corpus.jsonl"))
     return SearchPool(retriever, data.records, max_turns=args.max_turns, top_k=args.top_k,

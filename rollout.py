@@ -221,7 +221,8 @@ class HFEngine:
         self.stop_ids = [x[0] for x in stops] if all(len(x) == 1 for x in stops) else []
         gc_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         gc_eos = [gc_eos] if isinstance(gc_eos, int) else list(gc_eos or [])
-        self.eos_ids = [i for i in dict.fromkeys([tokenizer.eos_token_id] + gc_eos) if i is not None and i < len(tokenizer)]
+        self.eos_ids = [i for i in dict.fromkeys([tokenizer.eos_token_id] + gc_eos)
+                        if i is not None and i < len(tokenizer)]
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
             raise ValueError(f"HFEngine needs a pad token that is not EOS (pad {tokenizer.pad_token_id}, EOS "
                              f"{tokenizer.eos_token_id}): rollout.load_tokenizer picks one")
@@ -332,8 +333,8 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
     tasks: dicts with the pool's `task_key` (ALFWorld `gamefile`, search `id`; optional
     `task_type`); skills: task index → skill text that is inserted after the task line of every
     prompt (teacher context / replay). The env family's prompt builder, action parser and task-line
-    prefix come from the pool (`pool.build_prompt`, `pool.parse_action`, `pool.task_prefix`). Returns the episodes in task-major order; episode i belongs
-    to task i // n_per_task, group id group_offset + that.
+    prefix come from the pool (`pool.build_prompt`, `pool.parse_action`, `pool.task_prefix`). Returns the
+    episodes in task-major order; episode i belongs to task i // n_per_task, group id group_offset + that.
 
     Every prompt fits the engine's `max_prompt_tokens` minus `reserve` (room for a skill line the teacher
     inserts later): the oldest history turns are left out until it does (`fit_prompt`). A turn whose prompt

@@ -224,8 +224,8 @@ def calibration(trust, fresh_gains, n_bins: int = 5) -> dict:
     fresh replay does not tell the sign). Returns
       "n", "ties": tasks and ties; "brier": mean (lambda - y)^2 (0 is perfect; 1/4 for lambda = 1/2
       everywhere); "base_brier": the Brier score of the constant forecast mean(y) (what lambda must beat
-      to carry information); "brier_decided": the Brier score over the tasks without a tie; "bins": per equal-width lambda bin with tasks, [lo, hi), n, mean lambda,
-      mean y ("helped"), mean fresh gain.
+      to carry information); "brier_decided": the Brier score over the tasks without a tie; "bins": per
+      equal-width lambda bin with tasks, [lo, hi), n, mean lambda, mean y ("helped"), mean fresh gain.
     A calibrated lambda has mean y close to mean lambda in every bin. Even then y is noisy: a fresh replay
     of M episodes sees the sign of the true gain only with some probability.
     """

@@ -552,6 +552,13 @@ def source_and_control(group: list[Episode], design: str) -> tuple[list[Episode]
     return group, (group if design == "group" else [])
 
 
+def analyzer_prompt_fit(engine, episode: Episode, max_words: int, budget: int) -> Optional[str]:
+    """The analyzer prompt (Eq. 2) for one episode with its latest steps that fit `budget` tokens (the oldest
+    go first), or None when even none fit."""
+    return fit_prompt(lambda n: analyzer_prompt(episode.task, episode.won, episode.steps, max_words, max_steps=n),
+                      ANALYZER_MAX_STEPS, engine.prompt_len, budget)
+
+
 def write_skills(run: Run, b: Batch):
     """Eq. (2): for each task the policy reads one of its episodes through the analyzer prompt and writes a
     skill. The source is a won episode when there is one [ours]; a group with no win writes avoidance rules
@@ -576,9 +583,8 @@ def write_skills(run: Run, b: Batch):
             chosen.append(source)
         else:
             chosen.append(None)           # [ours] no win to distil: no skill, no replay, no teacher
-    prompts = [None if e is None else
-               fit_prompt(lambda n, e=e: analyzer_prompt(e.task, e.won, e.steps, a.skill_max_words, max_steps=n),
-                          ANALYZER_MAX_STEPS, run.engine.prompt_len, a.max_prompt_tokens) for e in chosen]
+    prompts = [None if e is None else analyzer_prompt_fit(run.engine, e, a.skill_max_words, a.max_prompt_tokens)
+               for e in chosen]
     for attempt in range(2):              # the first try, then one retry of the invalid ones
         todo = [k for k, p in enumerate(prompts) if p is not None and (attempt == 0 or b.records[k].skill is None)]
         if not todo:
@@ -639,11 +645,13 @@ def skill_rewards(run: Run, b: Batch, recs: list[TaskRecord]):
     metrics, also by the outcome of the episode each skill was written from (won / lost)."""
     a, m = run.args, b.metrics
     written = [r for r in recs if r.source is not None]
-    reward = {id(r): (r.gain if r.skill else a.r_bad) for r in written}   # Eq. (5)'s g̃
+
+    def reward(r: TaskRecord) -> float:   # Eq. (5)'s g̃: the replay gain, or r_bad for an invalid skill
+        return r.gain if r.skill else a.r_bad
     if a.algo == "rsipo":
         rewarded = [r for r in written if r.skill is None or r.replay_ok]
         A, run.skill_means = rsipo.skill_advantages(
-            torch.tensor([reward[id(r)] for r in rewarded], dtype=torch.float32), [r.task_type for r in rewarded],
+            torch.tensor([reward(r) for r in rewarded], dtype=torch.float32), [r.task_type for r in rewarded],
             torch.tensor([r.skill is not None for r in rewarded]), r_bad=a.r_bad, running_means=run.skill_means)
         for r, adv in zip(rewarded, A.tolist()):
             r.skill_adv = adv
@@ -654,12 +662,12 @@ def skill_rewards(run: Run, b: Batch, recs: list[TaskRecord]):
     if written:                           # a step where no task wrote a skill has no validity or reward to log
         m.update({"skill/valid_frac": sum(r.skill is not None for r in written) / len(written),
                   "skill/rule_failed": float(sum(r.rule_failed for r in written)),
-                  "skill/reward_mean": float(np.mean([reward[id(r)] for r in written]))})
-    mine = [len(r.skill.split()) for r in b.records if r.skill]
-    if mine:
-        m["skill/words"] = float(np.mean(mine))
+                  "skill/reward_mean": float(np.mean([reward(r) for r in written]))})
+    words = [len(r.skill.split()) for r in b.records if r.skill]
+    if words:
+        m["skill/words"] = float(np.mean(words))
     for source in ("won", "lost"):
-        mine = [reward[id(r)] for r in written if r.source == source]
+        mine = [reward(r) for r in written if r.source == source]
         m[f"skill/{source}_sources"] = float(len(mine))
         if mine:
             m[f"skill/{source}_reward"] = float(np.mean(mine))

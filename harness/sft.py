@@ -73,7 +73,8 @@ def sft(model, tok, pairs: list[tuple[str, str]], args, device, stop: Optional[C
     enc = [(chat_ids(tok, p), tok.encode(r, add_special_tokens=False) + [tok.eos_token_id]) for p, r in pairs]
     n_long = sum(len(p) > args.max_prompt_tokens for p, _ in enc)
     if n_long:   # a prompt cut to fit would lose its task line: such samples are left out
-        print0(f"sft: {n_long} of {len(enc)} samples have prompts over --max_prompt_tokens {args.max_prompt_tokens}; left out")
+        print0(f"sft: {n_long} of {len(enc)} samples have prompts over --max_prompt_tokens {args.max_prompt_tokens}; "
+               "left out")
         enc = [(p, r) for p, r in enc if len(p) <= args.max_prompt_tokens]
         if not enc:
             raise SystemExit(f"error: no SFT sample fits --max_prompt_tokens {args.max_prompt_tokens}")
@@ -93,7 +94,8 @@ def sft(model, tok, pairs: list[tuple[str, str]], args, device, stop: Optional[C
     bar = tqdm(range(start, args.sft_steps), desc="sft", disable=D.RANK != 0, mininterval=5, initial=start,
                total=args.sft_steps)
     for s in bar:
-        if stop is not None and state_dir is not None and stop():   # every rank agrees: save the state after `s` steps and stop
+        # every rank agrees on a SIGTERM: save the state after `s` steps and stop
+        if stop is not None and state_dir is not None and stop():
             D.save_checkpoint(state_dir, model, opt, s, args, {"loss": loss, "skipped": skipped,
                                                                "rng": D.all_gather_obj(rng.getstate())})
             return loss, skipped, True

@@ -124,7 +124,8 @@ def paired_lines(res: dict, seeds: list[int]) -> list[str]:
         target = ref[-1][1]
         for algo in [base] + others:
             reach = steps_to_reach(mean_curve(res[algo]), target)
-            share = "not reached" if reach is None else f"{reach:,.0f} env steps ({100 * reach / ref[-1][0]:.0f}% of {base}'s)"
+            share = ("not reached" if reach is None else
+                     f"{reach:,.0f} env steps ({100 * reach / ref[-1][0]:.0f}% of {base}'s)")
             out.append(f"\n{algo} reaches {base}'s final held-out success ({100 * target:.1f}%): {share}")
     return out
 
@@ -185,15 +186,16 @@ def main(argv=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    curves = any(len(mean_curve(runs)) > 2 for runs in res.values())
+    mean_curves = {algo: mean_curve(runs) for algo, runs in res.items()}
+    curves = any(len(c) > 2 for c in mean_curves.values())
     fig, ax = plt.subplots(1, 3 if curves else 2, figsize=(16 if curves else 11, 3.8))
     for i, (algo, runs) in enumerate(res.items()):
         c = f"C{i}"
         for j, r in enumerate(runs):
             xs, ys = zip(*r["curve"]) if r["curve"] else ([], [])
             ax[1].plot(xs, ys, color=c, alpha=0.6, label=algo if j == 0 else None)
-        if curves and mean_curve(runs):   # held-out success against env steps, mean ± s.e. over seeds
-            xs, ys, se = zip(*mean_curve(runs))
+        if curves and mean_curves[algo]:   # held-out success against env steps, mean ± s.e. over seeds
+            xs, ys, se = zip(*mean_curves[algo])
             ax[2].errorbar(xs, ys, yerr=se, color=c, capsize=3, marker="o", label=algo)
         ax[0].errorbar([i - 0.1, i + 0.1],
                        [statistics.fmean(table[algo][k] or [0]) for k in ("start", "end")],

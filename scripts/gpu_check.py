@@ -66,6 +66,10 @@ SIZES = {"tiny": (64, 2, 2, 1, 128, True),
 PHASES = ("rollout", "skills", "replay", "score", "update", "sync")
 
 
+# --quick: SFT, an evaluation, 2 RSIPO steps with a save each, a resume and 1 more step, the final evaluations
+QUICK = {"sft_steps": 20, "steps_a": 2, "steps_b": 3, "tasks": 4, "group": 4, "eval_games": 8, "max_new_tokens": 48}
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description="GPU check of train.py's real step (see the module docstring); "
                                 "arguments after `--` go to train.py as they are")
@@ -107,9 +111,6 @@ def parse(argv=None):
     args.train_args = extra
     return args
 
-
-# --quick: SFT, an evaluation, 2 RSIPO steps with a save each, a resume and 1 more step, the final evaluations
-QUICK = {"sft_steps": 20, "steps_a": 2, "steps_b": 3, "tasks": 4, "group": 4, "eval_games": 8, "max_new_tokens": 48}
 
 
 def model_dims(args) -> tuple:

@@ -46,8 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import cpu_preset  # noqa: E402
 import envs  # noqa: E402
 import rollout  # noqa: E402
-from rollout import fit_prompt  # noqa: E402
-from skills import ANALYZER_MAX_STEPS, analyzer_prompt, parse_skill, skill_token_budget  # noqa: E402
+from skills import analyzer_prompt, parse_skill, skill_token_budget  # noqa: E402
 from infra.env_backends import game_task_type, list_games  # noqa: E402
 from envs import EnvPool  # noqa: E402
 from rollout import HFEngine, run_episodes  # noqa: E402
@@ -79,8 +78,8 @@ def score_bank(bank: dict) -> dict[str, dict[str, float]]:
 def write_skills(engine, episodes, temperature: float, max_tokens: int, max_words: int = 80) -> list:
     """The skills the policy writes from `episodes` (train.write_skills' analyzer prompt and decoding: the
     latest steps that fit the prompt budget, one retry of an unparsable answer); None where none parsed."""
-    prompts = [fit_prompt(lambda n, e=e: analyzer_prompt(e.task, e.won, e.steps, max_words, max_steps=n),
-                          ANALYZER_MAX_STEPS, engine.prompt_len, engine.max_prompt_tokens) for e in episodes]
+    from train import analyzer_prompt_fit
+    prompts = [analyzer_prompt_fit(engine, e, max_words, engine.max_prompt_tokens) for e in episodes]
     out = [None] * len(episodes)
     for _ in range(2):
         todo = [k for k, p in enumerate(prompts) if p is not None and out[k] is None]
