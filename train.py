@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import random
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -955,8 +953,8 @@ if __name__ == "__main__":
     try:
         main()
     except SystemExit as e:
-        if e.code == 143:                 # preempted: the checkpoint is on disk and the pools are closed; skip the
-            sys.stdout.flush()            # interpreter's teardown (seconds), which a scheduler's grace period may lack
-            sys.stderr.flush()
-            os._exit(143)
+        if e.code == 143:                 # preempted: the checkpoint is on disk and the pools are closed
+            D.exit_process(143)
         raise
+    if D.WORLD > 1:                       # every output written and the group destroyed: no gloo teardown abort
+        D.exit_process(0)

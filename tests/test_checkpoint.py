@@ -301,6 +301,7 @@ def test_each_rank_seeds_its_own_generators(monkeypatch):
 
 if __name__ == "__main__":   # torchrun worker of test_two_ranks_write_per_rank_shards_and_resume_exactly
     _two_rank_worker(Path(sys.argv[1]))
+    D.exit_process(0)   # the group is destroyed: no gloo teardown abort after the work is done
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")

@@ -129,6 +129,7 @@ out = {"rank": D.RANK, "from_pretrained_calls": len(calls),
 open(sys.argv[3] + f"/rank{D.RANK}.json", "w").write(json.dumps(out))
 D.barrier()
 torch.distributed.destroy_process_group()
+D.exit_process(0)   # no gloo teardown abort after the work is done
 """
 
 
@@ -229,6 +230,7 @@ res = {"loss_equal": l0 == l1, "max_grad_diff": max(float((g0[n] - g1[n]).abs().
 open(sys.argv[2] + f"/rank{D.RANK}.json", "w").write(json.dumps(res))
 D.barrier()
 torch.distributed.destroy_process_group()
+D.exit_process(0)   # no gloo teardown abort after the work is done
 """
 
 

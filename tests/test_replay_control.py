@@ -6,7 +6,6 @@ import random
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -254,6 +254,7 @@ m = T.update(model, opt, mine, args, pad_id=0, device="cpu", use_teacher=False)
 open(sys.argv[2] + f"/rank{D.RANK}.json", "w").write(json.dumps(m))
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
+D.exit_process(0)   # no gloo teardown abort after the work is done
 """
 
 

@@ -16,7 +16,6 @@ Run: python -m pytest -q tests/test_vllm_engine.py
 import functools
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import types
