@@ -777,13 +777,6 @@ class SearchPool:
 # A run's tasks and pool, from its flags
 
 
-# --env search (the Search-R1 protocol): 4 turns, history 4, EM reward 1 so that r_win = 1, format penalty
-# 0.01, KL 0.001, prompts up to 4096 tokens; free decoding. train.presets_for applies these to the flags a
-# command line does not give.
-SEARCH_DEFAULTS = {"data_root": "data/search_qa", "eval_split": "test", "max_turns": 4, "history_len": 4,
-                   "p_fmt": 0.01, "r_win": 1.0, "c_kl": 0.001, "max_prompt_tokens": 4096, "constrained": False}
-
-
 @dataclass
 class EnvData:
     """The tasks of one env family: task ids (gamefiles / question ids), their types, search records."""

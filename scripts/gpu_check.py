@@ -188,11 +188,11 @@ def sft_file(work_dir: Path) -> Path:
     """The search warm start with skills (cpu_preset.search_samples) as chat JSONL, written once."""
     from harness import cpu_preset
     import envs
-    import train
+    from harness import config
     from infra.env_backends import BM25Retriever
     out = work_dir / "search_sft.jsonl"
     if not out.exists():
-        a = train.parse_args(["--env", "search"])
+        a = config.parse_args(["--env", "search"])
         data = envs.env_data(a, None)
         pairs = cpu_preset.search_samples([data.records[i] for i in data.train],
                                           BM25Retriever(str(ROOT / a.data_root / "corpus.jsonl")), a, skills=True)

@@ -122,8 +122,8 @@ def estimate(cfg: dict, *, world: int = 8, gpu_gib: float = 80.0, micro_tokens: 
 
 def table(world: int = 8, gpu_gib: float = 80.0) -> str:
     """Markdown table: each Qwen2.5 size under the GPU defaults and under the flags they replaced."""
-    import train
-    d = train.GPU_DEFAULTS
+    from harness import config
+    d = config.GPU
     rows = ["| model | flags | weights+grads+Adam | reference | gathered | activations | logits | vLLM awake / asleep "
             "| rollout phase | update phase | fits 80 GB |", "|" + "---|" * 11]
     for name in TABLE_SIZES:

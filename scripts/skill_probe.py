@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import cpu_preset  # noqa: E402
+from harness import config, cpu_preset  # noqa: E402
 import envs  # noqa: E402
 import rollout  # noqa: E402
 from skills import analyzer_prompt, parse_skill, skill_token_budget  # noqa: E402
@@ -52,7 +52,7 @@ from envs import EnvPool  # noqa: E402
 from rollout import HFEngine, run_episodes  # noqa: E402
 
 
-# train.py's defaults (its Args) for a model that is not the tiny preset's; a tiny one takes TINY_DEFAULTS
+# train.py's defaults (its Args) for a model that is not the tiny preset's; a tiny one takes config.TINY
 REAL_MODEL_DEFAULTS = {"max_turns": 50, "history_len": 2, "max_new_tokens": 512, "constrained": False}
 
 
@@ -94,7 +94,7 @@ def own_skills(engine, pool, games: list[str], generic: dict, a) -> dict:
     """--own: the policy's own skills, from won and from lost episodes, against an independent control (see
     the module docstring). Per condition: games, success with the skill and without it on those games, the
     paired gain ± s.e., and the share of skills that keep the skill rule, with the gain of those that do."""
-    max_tokens = cpu_preset.TINY_DEFAULTS["skill_max_tokens"] if cpu_preset.is_tiny(a.model) else \
+    max_tokens = config.TINY["skill_max_tokens"] if cpu_preset.is_tiny(a.model) else \
         skill_token_budget(lambda t: engine.tok.encode(t, add_special_tokens=False))
 
     def play(gs, n, skills, seed):
@@ -182,7 +182,7 @@ def main(argv=None):
     if not (Path(a.model) / "config.json").exists():
         raise SystemExit(f"error: --model {a.model}: not a Hugging Face model folder (no config.json)")
     # the flags not given take what train.py would use for this model (the tiny preset's, or the released ones)
-    defaults = {**REAL_MODEL_DEFAULTS, **(cpu_preset.TINY_DEFAULTS if cpu_preset.is_tiny(a.model) else {})}
+    defaults = {**REAL_MODEL_DEFAULTS, **(config.TINY if cpu_preset.is_tiny(a.model) else {})}
     for k in ("max_turns", "history_len", "max_new_tokens", "constrained"):
         if getattr(a, k) is None:
             setattr(a, k, defaults[k])
@@ -261,7 +261,7 @@ def main(argv=None):
     # their games' truth: valid, and naming the object, the target, the tool of the type
     won = [e for e in eps_none if e.won]
     gens = engine.generate([analyzer_prompt(e.task, True, e.steps) for e in won], temperature=1.0,
-                           max_new_tokens=cpu_preset.TINY_DEFAULTS["skill_max_tokens"] if cpu_preset.is_tiny(a.model)
+                           max_new_tokens=config.TINY["skill_max_tokens"] if cpu_preset.is_tiny(a.model)
                            else 256, stop=False) if won else []
     texts = [parse_skill(g.text) for g in gens]
     fs = [cpu_preset.skill_facts(t, Path(e.task_id).with_name("walkthrough.json")) for t, e in zip(texts, won) if t]

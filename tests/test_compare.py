@@ -28,9 +28,9 @@ def test_warm_start_flags_and_bad_folder(tmp_path):
     from harness import cpu_preset
     import train as T
     cpu_preset.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)
-    args = T.parse_args(C.warm_start(a, []) + ["--data_root", "data/alfworld"])
+    args = T.parse_args(C.warm_start(a, []) + ["--preset", "none"])
     assert (args.opsd_keep, args.replay_m, args.constrained, args.lr, args.max_new_tokens) == (0.3, 2, True, 5e-5, 48)
-    args = T.parse_args(C.warm_start(a, []))           # the default data: the default run's RL settings as well
+    args = T.parse_args(C.warm_start(a, []))           # the default preset: the default run's RL settings as well
     assert (args.opsd_keep, args.constrained, args.max_env_steps, args.alpha) == (0.3, False, 8000, 0.1)
     assert T.parse_args(C.warm_start(a, []) + ["--lr", "1e-4"]).lr == 1e-4   # a flag given still wins
 

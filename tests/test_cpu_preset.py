@@ -94,24 +94,6 @@ def test_walkthrough_folders_read_the_train_split_of_each_folder_in_order(tmp_pa
         T.parse_args(["--sft_rl_games", "false", "--sft_walkthroughs", ""])
 
 
-def test_the_default_run_is_the_held_out_clean_setting_and_other_data_keep_the_tiny_defaults(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    d = T.parse_args([])
-    assert (d.data_root, d.sft_hold_out, d.sft_hold_out_mode, d.sft_rl_games, d.constrained, d.max_env_steps,
-            d.alpha) == ("data/alfworld_clean", "clean", "teacher", False, False, 8000, 0.1)
-    assert d.sft_walkthroughs == "data/alfworld,data/alfworld_sft" and d.lr == 5e-5   # still the tiny preset
-    assert T.parse_args(["--constrained", "true"]).constrained is True                # a flag given wins
-    for other in (["--data_root", "data/alfworld"], ["--model", "org/x"], ["--env", "search"]):
-        a = T.parse_args(other)
-        assert (a.sft_hold_out, a.max_env_steps, a.sft_rl_games, a.alpha) == ("", 0, True, 0.01), other
-    assert T.parse_args(["--data_root", "data/alfworld"]).constrained is True
-    # a tiny checkpoint on the default data: the same decoding and budget, no SFT hold-out (it trains no SFT)
-    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1"])
-    tok.save_pretrained(tmp_path)
-    c = T.parse_args(["--model", str(tmp_path)])
-    assert (c.sft_hold_out, c.constrained, c.max_env_steps, c.alpha) == ("", False, 8000, 0.1)
-
-
 def test_the_default_warm_start_clones_the_other_folders_not_the_rl_games(monkeypatch):
     import types
     from infra.env_backends import list_games
@@ -123,13 +105,13 @@ def test_the_default_warm_start_clones_the_other_folders_not_the_rl_games(monkey
                                            skills=a.uses_skills, **kw)
     default = pairs([])
     # the same samples as the clean-held-out warm start built on data/alfworld (its RL games plus data/alfworld_sft)
-    assert default == pairs(["--data_root", "data/alfworld", "--sft_hold_out", "clean"])
+    assert default == pairs(["--preset", "none", "--data_root", "data/alfworld", "--sft_hold_out", "clean"])
     assert len(pairs(["--sft_rl_games", "true"])) > len(default)         # the flag is what leaves the RL games out
     # with a procedure held out, grpo clones the same samples (else it would never see clean done at all) ...
     assert pairs(["--algo", "grpo"]) == default
     # ... and without one, walkthroughs only (no skill samples), as before
-    assert len(pairs(["--algo", "grpo", "--data_root", "data/alfworld"])) < \
-        len(pairs(["--algo", "rsipo", "--data_root", "data/alfworld"]))
+    assert len(pairs(["--algo", "grpo", "--preset", "none", "--data_root", "data/alfworld"])) < \
+        len(pairs(["--algo", "rsipo", "--preset", "none", "--data_root", "data/alfworld"]))
     # the tokenizer's texts still cover the RL games (their walkthroughs are in as_flags=False)
     texts = pairs([], as_flags=False)
     assert len(texts) > len(default) and default[0] in texts

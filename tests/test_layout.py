@@ -127,14 +127,18 @@ def _short_names() -> dict[str, str]:
 REF = re.compile(r"`((?:infra|harness)[./]\w+|[A-Za-z_]\w*)(?:\.py)?\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 
 
+FILE_TYPES = ("py", "json", "jsonl", "md", "png", "html")   # `config.json` names a file, not harness.config's json
+
+
 def doc_references(text: str) -> list[tuple[str, str]]:
     """(module, attribute) for each `module.attr` (or `module.Class.method`) at the start of a code span."""
     names = _short_names()
-    return [(names[m], attr) for m, attr in REF.findall(text) if m in names and attr != "py"]
+    return [(names[m], attr) for m, attr in REF.findall(text) if m in names and attr not in FILE_TYPES]
 
 
 def test_doc_references_finds_the_forms_the_documents_use():
-    text = "`rollout.evaluate`, `infra/distributed.save_checkpoint`, `harness.run.Preemption` and `train.py` and `x.y`"
+    text = ("`rollout.evaluate`, `infra/distributed.save_checkpoint`, `harness.run.Preemption` and `train.py` and `x.y`"
+            " and `config.json`")
     assert doc_references(text) == [("rollout", "evaluate"), ("infra.distributed", "save_checkpoint"),
                                     ("harness.run", "Preemption")]
 

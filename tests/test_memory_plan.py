@@ -10,6 +10,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import memory_plan as MP  # noqa: E402
 import train as T  # noqa: E402
+from harness import config  # noqa: E402
 
 GIB = 2 ** 30
 # d 8, 2 heads of 4, 1 KV head (d_kv 4), MLP 16, 2 blocks, vocabulary 100, untied
@@ -43,17 +44,21 @@ def test_estimate_terms_by_hand():
 
 
 def test_gpu_defaults_fit_7b_on_eight_80gb_gpus_and_the_old_flags_do_not():
-    d = T.GPU_DEFAULTS
+    d = config.GPU
     for cfg in MP.QWEN25.values():
         assert MP.estimate(cfg, world=8, gpu_gib=80, micro_tokens=d["micro_tokens"], grad_ckpt=d["grad_ckpt"])["fits"]
         assert not MP.estimate(cfg, world=8, gpu_gib=80, micro_tokens=32 * 2048, grad_ckpt=False)["fits"]
     assert "| 7B | defaults" in MP.table()
 
 
+def _merged(model: str, gpu: bool) -> dict:
+    return {k: v for k, (v, _) in config.preset_values({"model": model, "env": "alfworld", "algo": "rsipo"}, gpu).items()}
+
+
 def test_real_models_on_a_gpu_get_the_gpu_defaults_unless_flags_say_otherwise(monkeypatch):
-    assert T.presets_for("Qwen/Qwen2.5-7B-Instruct", "alfworld", gpu=True) == T.GPU_DEFAULTS
-    assert T.presets_for("Qwen/Qwen2.5-7B-Instruct", "alfworld", gpu=False) == {}
-    assert "grad_ckpt" not in T.presets_for("tiny", "alfworld", gpu=True)
+    assert _merged("Qwen/Qwen2.5-7B-Instruct", gpu=True) == config.GPU
+    assert _merged("Qwen/Qwen2.5-7B-Instruct", gpu=False) == {}
+    assert "grad_ckpt" not in _merged("tiny", gpu=True)
     monkeypatch.setattr(T.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(T.Args, "validate", lambda self: None)   # no GPU here to validate against
     a = T.parse_args(["--model", "Qwen/Qwen2.5-7B-Instruct"])

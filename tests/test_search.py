@@ -599,14 +599,14 @@ def test_generator_verification_catches_broken_demos(tmp_path, bm25, qa):
 
 
 def test_search_defaults_apply_unless_given():
-    from harness import cpu_preset
+    from harness import config
     import train as T
     a = T.parse_args(["--env", "search"])
     assert (a.data_root, a.eval_split, a.max_turns, a.history_len, a.p_fmt, a.r_win, a.c_kl, a.constrained) == \
         ("data/search_qa", "test", 4, 4, 0.01, 1.0, 0.001, False)
     a = T.parse_args(["--env", "search", "--max_turns", "3", "--p_fmt=0.5", "--c_kl", "0.001", "--history_l", "2"])
     assert (a.max_turns, a.p_fmt, a.history_len, a.r_win) == (3, 0.5, 2, 1.0)   # given (even abbreviated) wins
-    assert T.parse_args([]).max_turns == cpu_preset.TINY_DEFAULTS["max_turns"]                # ALFWorld untouched
+    assert T.parse_args([]).max_turns == config.TINY["max_turns"]                # ALFWorld untouched
     assert T.parse_args(["--model", "org/real"]).max_turns == T.Args().max_turns
     with pytest.raises(SystemExit, match="--env"):
         T.parse_args(["--env", "webshop"])

@@ -377,7 +377,7 @@ def test_real_models_get_the_released_settings_and_tiny_its_own(capsys):
     real = T.parse_args(["--model", "org/some-instruct"])
     assert (real.lr, real.sft_lr, real.c_kl, real.max_new_tokens, real.skill_max_tokens, real.constrained) == \
         (1e-6, 5e-6, 0.01, 512, 0, False)          # 0: the skill budget comes from the tokenizer
-    tiny = T.parse_args(["--data_root", "data/alfworld"])    # the default data adds HELD_OUT_DEFAULTS (test_cpu_preset)
+    tiny = T.parse_args(["--preset", "none"])    # the tiny preset alone (the default run's adds to it: test_config)
     assert (tiny.lr, tiny.sft_lr, tiny.c_kl, tiny.max_new_tokens, tiny.skill_max_tokens, tiny.constrained) == \
         (5e-5, 2e-3, 0.05, 48, 96, True)
     assert T.parse_args(["--model", "org/x", "--env", "search"]).c_kl == 0.001
