@@ -348,21 +348,9 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
     (`request_seed`), which an engine that samples each request on its own (vLLM) uses; so the same turn of
     the same episode draws the same random numbers in two evaluations, on any rank and in any batch.
     """
-    key, make_prompt, parse, prefix = pool.task_key, pool.build_prompt, pool.parse_action, pool.task_prefix
-    gamefiles = [t[key] for t in tasks for _ in range(n_per_task)]
-    starts = pool.reset(gamefiles)
-    eps: list[Episode] = []
-    obs, adm = [], []
-    for i, (o, info) in enumerate(starts):
-        k = i // n_per_task
-        ep = Episode(task_id=gamefiles[i], task_type=info.get("task_type", tasks[k].get("task_type", "")),
-                     task=info.get("task", ""), group_id=group_offset + k, episode_id=i,
-                     skill=(skills or {}).get(k))
-        if info.get("error"):
-            ep.error = info["error"]
-        eps.append(ep)
-        obs.append(o)
-        adm.append(info.get("admissible", []))
+    make_prompt, parse, prefix = pool.build_prompt, pool.parse_action, pool.task_prefix
+    gamefiles = [t[pool.task_key] for t in tasks for _ in range(n_per_task)]
+    eps, obs, adm = start_episodes(pool, tasks, gamefiles, n_per_task, skills or {}, group_offset)
     active = [ep.error is None for ep in eps]
     step = 0
     while any(active) and not (stop is not None and stop()):
@@ -397,25 +385,44 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
             actions[i] = act if act is not None else ""
         results = pool.step(actions)
         for i in live:
-            r = results[i]
-            ep = eps[i]
-            if r is None:   # the pool says this episode was already finished
-                active[i] = False
-                continue
-            o, reward, done, info = r
-            ep.steps.append((obs[i], actions[i]))
-            ep.step_rewards.append(float(reward))
-            ep.reward += float(reward)
-            ep.won = ep.won or bool(info.get("won", False))
-            if info.get("error"):
-                ep.error = info["error"]
-            obs[i], adm[i] = o, info.get("admissible", [])
-            if done:
-                active[i] = False
+            active[i] = record_step(eps[i], results[i], actions[i], obs, adm, i)
         step += 1
         if progress:
             progress(step)
     return eps
+
+
+def start_episodes(pool, tasks: list[dict], gamefiles: list[str], n_per_task: int, skills: dict[int, str],
+                   group_offset: int) -> tuple[list[Episode], list[str], list[list[str]]]:
+    """Reset the pool on every copy of every task: the episodes (a reset's error marks its episode), and each
+    one's first observation and admissible actions."""
+    eps, obs, adm = [], [], []
+    for i, (o, info) in enumerate(pool.reset(gamefiles)):
+        k = i // n_per_task
+        ep = Episode(task_id=gamefiles[i], task_type=info.get("task_type", tasks[k].get("task_type", "")),
+                     task=info.get("task", ""), group_id=group_offset + k, episode_id=i, skill=skills.get(k))
+        if info.get("error"):
+            ep.error = info["error"]
+        eps.append(ep)
+        obs.append(o)
+        adm.append(info.get("admissible", []))
+    return eps, obs, adm
+
+
+def record_step(ep: Episode, result, action: str, obs: list, adm: list, i: int) -> bool:
+    """One env step's result into episode `ep` (number i of obs and adm, which take its next observation and
+    admissible actions); whether the episode goes on. A result of None: the pool says it had already ended."""
+    if result is None:
+        return False
+    o, reward, done, info = result
+    ep.steps.append((obs[i], action))
+    ep.step_rewards.append(float(reward))
+    ep.reward += float(reward)
+    ep.won = ep.won or bool(info.get("won", False))
+    if info.get("error"):
+        ep.error = info["error"]
+    obs[i], adm[i] = o, info.get("admissible", [])
+    return not done
 
 
 # ---------------------------------------------------------------------------------------------

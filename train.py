@@ -126,96 +126,141 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
     gradient (the A ≠ 0 ones under --drop_zero_adv: GRPO's own sample set), OPSD over the student
     turns, KL and entropy over every trained token; the skill PG term is η times its own token mean.
     All ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
-    if use_teacher and any(sm.trust and sm.teacher is None for sm in samples):
+    if use_teacher and any(s.trust and s.teacher is None for s in samples):
         raise ValueError("a sample with λ > 0 has no teacher log-probs (score sets λ = 0 for those)")
     order = list(range(len(samples)))
     random.shuffle(order)
-    per_rank_mb = max(1, args.mini_batch // D.WORLD)
-    n_mini = int(all_reduce(math.ceil(len(samples) / per_rank_mb), "max")[0])
-    # metrics: loss terms (contributions) summed over micro-batches, averaged over mini-batches; others token means
-    contrib, wsum, metrics, wtok = {}, {}, {}, 0.0
-    # |ℓ − ℓ_old| over the first mini-batch, before any optimizer step, where π_θ is π_old: anything above the
-    # compute dtype's noise means the sampler's weights or buffers are not the trained ones [ours]
-    first_gap = [0.0, 0.0, 0.0]           # sum, tokens, max
+    per_rank = max(1, args.mini_batch // D.WORLD)
+    n_mini = int(all_reduce(math.ceil(len(samples) / per_rank), "max")[0])
+    sums, metrics = UpdateSums(), {}
     dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
     model.train()
     for m in range(n_mini):
-        chunk = [samples[i] for i in order[m * per_rank_mb:(m + 1) * per_rank_mb]]
+        chunk = [samples[i] for i in order[m * per_rank:(m + 1) * per_rank]]
         opt.zero_grad(set_to_none=True)
-        pg_bearing = [sm for sm in chunk if not sm.skill and (sm.adv != 0.0 or not args.drop_zero_adv)]
-        n_turn, n_pg, n_skill = (float(x) / D.WORLD for x in all_reduce(
-            [sum(len(sm.response_ids) for sm in chunk if not sm.skill), sum(len(sm.response_ids) for sm in pg_bearing),
-             sum(len(sm.response_ids) for sm in chunk if sm.skill)]))
-        for kind in (False, True):   # student turns, then skill-writing samples
-            part = [sm for sm in chunk if sm.skill == kind]
-            n_tok = n_skill if kind else n_turn
+        tokens = token_counts(chunk, args.drop_zero_adv)
+        for skill in (False, True):   # student turns, then skill-writing samples
+            part = [s for s in chunk if s.skill == skill]
             # [ours] with a token budget similar lengths go together (order is free in a mini-batch);
             # ranks with fewer micro-batches run zero-weight dummies to keep FSDP collectives in step
-            for sub, empty in aligned_micro_batches(part, [len(sm.prompt_ids) + len(sm.response_ids) for sm in part],
-                                                    args.micro_batch, args.micro_tokens, dummy):
-                ids, attn, tgt, mask = collate([(sm.prompt_ids, sm.response_ids) for sm in sub], pad_id, device)
-                if empty:
-                    mask = mask * 0
-                lp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, R]
-                old = _place([sm.old for sm in sub], sub, lp.shape, device)
-                if m == 0:
-                    gap = (lp.detach() - old).abs() * mask
-                    first_gap[0] += float(gap.sum())
-                    first_gap[1] += float(mask.sum())
-                    first_gap[2] = max(first_gap[2], float(gap.max()))
-                ref = _place([sm.ref for sm in sub], sub, lp.shape, device) if sub[0].ref is not None else None
-                teach = None
-                if use_teacher and not kind:
-                    teach = _place([sm.teacher for sm in sub], sub, lp.shape, device)
-                    # a sample without teacher log-probs has λ = 0 (`score` decides it); ℓ^T := ℓ fills its row
-                    no_t = torch.tensor([sm.teacher is None for sm in sub], device=device)[:, None]
-                    teach = torch.where(no_t, lp.detach(), teach)
-                A = torch.tensor([sm.adv for sm in sub], device=device)                             # [B]
-                lam = torch.tensor([sm.trust for sm in sub], device=device)                          # [B]
-                loss, mt = rsipo.rsipo_loss(lp, old, A, mask, entropy=ent, ref_logp=ref, teacher_logp=teach,
-                                            trust=lam if teach is not None else None, clip_eps=args.clip_eps,
-                                            beta=args.beta, alpha=args.alpha, c_kl=args.c_kl, c_ent=args.c_ent,
-                                            pg_weight=args.eta if kind else 1.0, n_tokens=max(n_tok, 1.0),
-                                            pg_n_tokens=max(n_tok if kind else n_pg, 1.0),
-                                            reg_n_tokens=max(n_turn + n_skill, 1.0))
-                loss.backward()
-                n_loc = float(mask.sum())
-                wtok += n_loc * (not kind)
-                for k, v in mt.items():
-                    k = f"skill_{k}" if kind else k
-                    if k.split("skill_")[-1] in CONTRIB:
-                        contrib[k] = contrib.get(k, 0.0) + float(v) / n_mini
-                    elif not k.endswith("n_tokens"):
-                        wsum[k] = wsum.get(k, 0.0) + float(v) * n_loc
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-        if not torch.isfinite(gn):
-            print0(f"  non-finite grad norm ({float(gn)}): optimizer step skipped")
-            metrics["update/skipped"] = metrics.get("update/skipped", 0) + 1
-            opt.zero_grad(set_to_none=True)
-            continue
-        if args.lr_warmup:   # [ours] Adam's first steps are sign-like; ramp the rate up
-            st = next(iter(opt.state.values()), {})   # steps taken so far: Adam's own (checkpointed) count
-            done = int(st["step"]) if "step" in st else 0
-            for g in opt.param_groups:
-                g["lr"] = args.lr * min(1.0, (done + 1) / args.lr_warmup)
-        opt.step()
-        metrics["update/lr"] = opt.param_groups[0]["lr"]
-        metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + float(gn) / n_mini
-    # across ranks: contributions are already scaled by the global token count; means by tokens
-    tot = all_reduce_union({**contrib, **wsum, "n/turn_tokens": wtok,
-                            "n/skill_tokens": sum(len(sm.response_ids) for sm in samples if sm.skill)})
-    n_turn_tok, n_skill_tok = tot.pop("n/turn_tokens"), tot.pop("n/skill_tokens")
-    for k, v in tot.items():
-        metrics[k] = v / D.WORLD if k.split("skill_")[-1] in CONTRIB else \
-            v / max(1.0, n_skill_tok if k.startswith("skill_") else n_turn_tok)
-    gap_sum, gap_tokens = all_reduce(first_gap[:2])
-    metrics["update/first_logp_gap_mean"] = float(gap_sum / max(1.0, gap_tokens))
-    metrics["update/first_logp_gap_max"] = float(all_reduce(first_gap[2], "max")[0])
-    metrics["update/mini_batches"] = n_mini
-    metrics["update/tokens"] = n_turn_tok
-    return metrics
+            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in part]
+            for sub, empty in aligned_micro_batches(part, lengths, args.micro_batch, args.micro_tokens, dummy):
+                micro_step(model, sub, skill, empty, tokens, args, pad_id, device, use_teacher and not skill, sums,
+                           first=m == 0, n_mini=n_mini)
+        optimizer_step(model, opt, args, metrics, n_mini)
+    return {**metrics, **sums.reduce(samples, n_mini)}
 
+
+@dataclass
+class TokenCounts:
+    """The token counts one mini-batch's means divide by, each summed over all ranks and divided by the world
+    size: FSDP averages the gradients over ranks, so a rank whose loss is its tokens' sum over N / W gives,
+    averaged, the sum over every rank's tokens over N (the global token mean)."""
+    turn: float                           # student turns' response tokens: OPSD
+    pg: float                             # those of turns with a policy gradient: the PG term
+    skill: float                          # skill-writing samples' tokens: the skill PG term
+
+
+def token_counts(chunk: list[Sample], drop_zero_adv: bool) -> TokenCounts:
+    pg_bearing = [s for s in chunk if not s.skill and (s.adv != 0.0 or not drop_zero_adv)]
+    local = [sum(len(s.response_ids) for s in chunk if not s.skill), sum(len(s.response_ids) for s in pg_bearing),
+             sum(len(s.response_ids) for s in chunk if s.skill)]
+    return TokenCounts(*(float(x) / D.WORLD for x in all_reduce(local)))
+
+
+def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: TokenCounts, args: Args, pad_id, device,
+               use_teacher: bool, sums: "UpdateSums", first: bool, n_mini: int):
+    """Forward and backward of one micro-batch of student turns or (`skill`) skill samples, or of a dummy that
+    weighs 0 (`empty`): the loss of Eq. (12) over its mini-batch's token counts; its metrics go into `sums`."""
+    ids, attn, tgt, mask = collate([(s.prompt_ids, s.response_ids) for s in sub], pad_id, device)
+    if empty:
+        mask = mask * 0
+    logp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, R]
+    old = _place([s.old for s in sub], sub, logp.shape, device)
+    if first:
+        sums.add_first_gap((logp.detach() - old).abs() * mask, mask)
+    ref = _place([s.ref for s in sub], sub, logp.shape, device) if sub[0].ref is not None else None
+    teacher = None
+    if use_teacher:
+        teacher = _place([s.teacher for s in sub], sub, logp.shape, device)
+        # a sample without teacher log-probs has λ = 0 (`score` decides it); ℓ^T := ℓ fills its row
+        no_teacher = torch.tensor([s.teacher is None for s in sub], device=device)[:, None]
+        teacher = torch.where(no_teacher, logp.detach(), teacher)
+    adv = torch.tensor([s.adv for s in sub], device=device)                               # [B]
+    trust = torch.tensor([s.trust for s in sub], device=device)                           # [B]
+    n_tok = tokens.skill if skill else tokens.turn
+    loss, step_metrics = rsipo.rsipo_loss(
+        logp, old, adv, mask, entropy=ent, ref_logp=ref, teacher_logp=teacher,
+        trust=trust if teacher is not None else None, clip_eps=args.clip_eps, beta=args.beta, alpha=args.alpha,
+        c_kl=args.c_kl, c_ent=args.c_ent, pg_weight=args.eta if skill else 1.0, n_tokens=max(n_tok, 1.0),
+        pg_n_tokens=max(n_tok if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0))
+    loss.backward()
+    sums.add(step_metrics, skill, float(mask.sum()), n_mini)
+
+
+def optimizer_step(model, opt, args: Args, metrics: dict, n_mini: int):
+    """Clip the gradient norm and step AdamW at the (warmed-up) rate; a non-finite norm skips the step."""
+    norm = D.clip_grad_norm(model, args.grad_clip)
+    if not math.isfinite(norm):
+        print0(f"  non-finite grad norm ({norm}): optimizer step skipped")
+        metrics["update/skipped"] = metrics.get("update/skipped", 0) + 1
+        opt.zero_grad(set_to_none=True)
+        return
+    if args.lr_warmup:   # [ours] Adam's first steps are sign-like; ramp the rate up
+        state = next(iter(opt.state.values()), {})   # steps taken so far: Adam's own (checkpointed) count
+        done = int(state["step"]) if "step" in state else 0
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, (done + 1) / args.lr_warmup)
+    opt.step()
+    metrics["update/lr"] = opt.param_groups[0]["lr"]
+    metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + norm / n_mini
+
+
+def is_loss_term(name: str) -> bool:
+    """A loss term (its value already over the global token count), with or without the skill samples' prefix."""
+    return name.removeprefix("skill_") in CONTRIB
+
+
+@dataclass
+class UpdateSums:
+    """One update's metrics on this rank, summed: the loss terms (summed over micro-batches, averaged over
+    mini-batches), every other metric weighted by its micro-batch's tokens (skill samples' names prefixed
+    skill_), the student tokens, and |ℓ − ℓ_old| over the first mini-batch. [ours] That mini-batch runs before
+    any optimizer step, where π_θ is π_old: a gap above the compute dtype's noise means the sampler's weights or
+    buffers are not the trained ones."""
+    loss_terms: dict = field(default_factory=dict)
+    weighted: dict = field(default_factory=dict)
+    turn_tokens: float = 0.0
+    gap: list = field(default_factory=lambda: [0.0, 0.0, 0.0])   # sum, tokens, max
+
+    def add(self, step_metrics: dict, skill: bool, n_tokens: float, n_mini: int):
+        self.turn_tokens += n_tokens * (not skill)
+        for k, v in step_metrics.items():
+            k = f"skill_{k}" if skill else k
+            if is_loss_term(k):
+                self.loss_terms[k] = self.loss_terms.get(k, 0.0) + float(v) / n_mini
+            elif not k.endswith("n_tokens"):
+                self.weighted[k] = self.weighted.get(k, 0.0) + float(v) * n_tokens
+
+    def add_first_gap(self, gap: torch.Tensor, mask: torch.Tensor):
+        self.gap[0] += float(gap.sum())
+        self.gap[1] += float(mask.sum())
+        self.gap[2] = max(self.gap[2], float(gap.max()))
+
+    def reduce(self, samples: list[Sample], n_mini: int) -> dict:
+        """Over all ranks: loss terms are already over the global token count (their mean over ranks), the
+        others become token means."""
+        total = all_reduce_union({**self.loss_terms, **self.weighted, "n/turn_tokens": self.turn_tokens,
+                                  "n/skill_tokens": sum(len(s.response_ids) for s in samples if s.skill)})
+        n_turn, n_skill = total.pop("n/turn_tokens"), total.pop("n/skill_tokens")
+        out = {k: v / D.WORLD if is_loss_term(k) else v / max(1.0, n_skill if k.startswith("skill_") else n_turn)
+               for k, v in total.items()}
+        gap_sum, gap_tokens = all_reduce(self.gap[:2])
+        out["update/first_logp_gap_mean"] = float(gap_sum / max(1.0, gap_tokens))
+        out["update/first_logp_gap_max"] = float(all_reduce(self.gap[2], "max")[0])
+        out["update/mini_batches"] = n_mini
+        out["update/tokens"] = n_turn
+        return out
 
 
 # ---- One step's records ----------------------------------------------------------------------------------------
@@ -311,7 +356,8 @@ def rollout_and_advantages(run: Run) -> Batch:
         G = rsipo.step_returns(r, torch.tensor([tr.episode_id for tr in turns]), a.step_gamma)   # [T]
         adv = adv + a.step_adv * rsipo.step_advantages(G, aid).to(adv.dtype)
         metrics["gigpo/anchored_frac"] = float((torch.bincount(aid)[aid] > 1).float().mean())
-    records = [TaskRecord(t[run.pool.task_key], grp[0].task_type, gain=a.r_bad) for t, grp in zip(tasks, by_task(eps, N))]
+    records = [TaskRecord(t[run.pool.task_key], group[0].task_type, gain=a.r_bad)
+               for t, group in zip(tasks, by_task(eps, N))]
     return Batch(tasks, eps, turns, adv.tolist(), records, metrics=metrics)
 
 
@@ -465,8 +511,10 @@ def trust(run: Run, b: Batch, recs: list[TaskRecord]):
             both = {mode: shrinkage.teacher_trust(g, v, ty, mode=mode)[0] for mode in ("eb", "raw")}
             for j, i in enumerate(ok):
                 recs[i].posterior = {mode: float(x[j]) for mode, x in both.items()}
-        m.update({"trust/shrink_mean": float(np.mean(info["shrink"])), "replay/shrunk_gain_mean": float(np.mean(info["mean"])),
-                  "replay/gain_mean": float(np.mean(g)), "replay/uninformative": float(sum(not recs[i].informative for i in ok))})
+        m.update({"trust/shrink_mean": float(np.mean(info["shrink"])),
+                  "replay/shrunk_gain_mean": float(np.mean(info["mean"])),
+                  "replay/gain_mean": float(np.mean(g)),
+                  "replay/uninformative": float(sum(not recs[i].informative for i in ok))})
         for t in sorted(set(ty)):
             m[f"replay/gain_{t}"] = float(np.mean([x for x, tx in zip(g, ty) if tx == t]))
         for source in ("won", "lost"):
@@ -583,7 +631,8 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
         e = next((e for e in reversed(b.eps) if e.won == won), None)
         if e is not None:
             run.episodes[key] = {"task": e.task, "task_type": e.task_type, "skill": b.records[e.group_id].skill,
-                                 "reward": e.reward, "won": e.won, "steps": [list(s) for s in e.steps], "step": step + 1}
+                                 "reward": e.reward, "won": e.won, "steps": [list(s) for s in e.steps],
+                                 "step": step + 1}
     return {"step": step + 1, "train/success": t["won"] / n, "train/reward": t["reward"] / n,
             "train/invalid_frac": t["invalid"] / max(1, t["turns"]), "train/turns": int(t["turns"]),
             "train/env_errors": int(t["env_errors"]), "train/turns_updated": int(t["turns_updated"]),

@@ -268,7 +268,8 @@ def extractive_skill(actions: list[str]) -> str:
     first = next((k for k, a in enumerate(actions) if a.startswith("take ")), None)
     if first is None:
         return ""
-    acts = [a for a in actions[first:] if not a.startswith(("open ", "close ", "examine ", "look", "inventory", "help"))]
+    idle = ("open ", "close ", "examine ", "look", "inventory", "help")
+    acts = [a for a in actions[first:] if not a.startswith(idle)]
     keep = []
     for k, a in enumerate(acts):
         if a.startswith("take "):
@@ -452,9 +453,11 @@ def rule_skill(task_type: str, obj: str, recep: str = "", toggle: str = "", won:
         return f"{find}; then go to the {toggle} and use the {toggle}."
     if task_type in TOOLS:
         tool, verb = TOOLS[task_type]
-        return f"{find}; go to the {tool} and {verb} the {obj} with it; then go to the {recep} and move the {obj} to it."
+        return (f"{find}; go to the {tool} and {verb} the {obj} with it; "
+                f"then go to the {recep} and move the {obj} to it.")
     if task_type == "pick2":
-        return f"{find}; go to the {recep} and move it there; then find the second {obj} the same way and move it to the {recep}."
+        return (f"{find}; go to the {recep} and move it there; "
+                f"then find the second {obj} the same way and move it to the {recep}.")
     return f"{find}; then go to the {recep} and move the {obj} to it."
 
 

@@ -40,10 +40,10 @@ learning curves (training success and reward per RL step with the held-out point
 held-out success by task type before and after (bars and a table); RSIPO internals per step
 (replay gain per type, shrinkage, trust, OPSD gate and teacher − student gap, skill validity; only
 the panels whose metrics exist); the trust check (with calibration.jsonl: a reliability plot of Eq. 9's
-λ under eb and raw trust against fresh replays, and their Brier scores); the skill bank's best skills per type by shrunk gain; one won and
-one lost sample episode with their skill (observations clipped to OBS_CHARS characters, long
-episodes to their first and last turns); the resolved config. Runs of 40 steps or more are drawn
-faint per step under a moving average over ~5% of the steps.
+λ under eb and raw trust against fresh replays, and their Brier scores); the skill bank's best skills per
+type by shrunk gain; one won and one lost sample episode with their skill (observations clipped to
+OBS_CHARS characters, long episodes to their first and last turns); the resolved config. Runs of 40
+steps or more are drawn faint per step under a moving average over ~5% of the steps.
 All text from the run (skills, observations, actions, config values) is HTML-escaped; the page has
 no JavaScript and no external assets. Plots use matplotlib's Agg canvas, without pyplot's global state.
 
@@ -479,7 +479,8 @@ def section_header(name, config, summary, train, notes, date) -> str:
     if held:
         out.append(_note(f"The warm start held out the {held} procedure (--sft_hold_out {held}, "
                          f"{config.get('sft_hold_out_mode', 'teacher')} mode): it never acted a {held} game without a "
-                         f"skill, so what the student gains on {held} games RL found. Its row leads the table by type."))
+                         f"skill, so what the student gains on {held} games RL found. Its row leads the table by "
+                         "type."))
     out += [_note(text) for text in notes]
     return "\n".join(out)
 
@@ -737,7 +738,8 @@ def write_report(run_dir) -> Path:
     body = [
         _guard("Header", section_header, name, config, summary, train, notes, _date(run_dir)),
         _guard("Learning curves", section_curves, train, evals, summary, plot_dir),
-        _guard("Held-out success by task type", section_by_type, summary, evals, plot_dir, config.get("sft_hold_out", "")),
+        _guard("Held-out success by task type", section_by_type, summary, evals, plot_dir,
+               config.get("sft_hold_out", "")),
         _guard("RSIPO internals", section_rsipo, train, evals, summary, plot_dir),
         _guard("Trust check", section_calibration, calib, cal_note, plot_dir),
         _guard("Skill bank", section_bank, bank, b_note),

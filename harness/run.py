@@ -100,7 +100,8 @@ class Timer:
             torch.cuda.synchronize()
             gib = torch.cuda.max_memory_allocated() / 2**30
             self.times[f"mem/{name}"] = max(self.times.get(f"mem/{name}", 0.0), gib)
-            self.times["mem/reserved"] = max(self.times.get("mem/reserved", 0.0), torch.cuda.max_memory_reserved() / 2**30)
+            reserved = torch.cuda.max_memory_reserved() / 2**30
+            self.times["mem/reserved"] = max(self.times.get("mem/reserved", 0.0), reserved)
         self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.time() - t
 
 
@@ -229,7 +230,8 @@ def load_model_and_tokenizer(args, run_dir: Path, texts_fn, model_path: str = ""
         if (tok_dir / "tokenizer.json").exists():
             tok = load_tokenizer(str(tok_dir))
         else:
-            tok = cpu_preset.train_tiny_tokenizer(texts_fn(), cpu_preset.SEARCH_SPECIALS if args.env == "search" else ())
+            specials = cpu_preset.SEARCH_SPECIALS if args.env == "search" else ()
+            tok = cpu_preset.train_tiny_tokenizer(texts_fn(), specials)
             if D.RANK == 0:
                 tok.save_pretrained(tok_dir)
         torch.manual_seed(args.seed)
@@ -283,7 +285,8 @@ def setup(args) -> "Run":
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     print0(f"RSIPO trainer | algo={args.algo} model={args.model} world={D.WORLD} device={device} train tasks="
            f"{len(data.train)} eval tasks={len(eval_games)} constrained={args.constrained}")
-    print0("flags not at Args' default (--help lists them all):\n" + "\n".join(f"  {c}" for c in changed_defaults(args)))
+    print0("flags not at Args' default (--help lists them all):\n"
+           + "\n".join(f"  {c}" for c in changed_defaults(args)))
     return Run(args, run_dir, device, data, eval_games, pool, summary={"config": dataclasses.asdict(args)},
                task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
                bank=SkillBank(args.bank_capacity),
@@ -296,10 +299,11 @@ def build_policy(run: "Run"):
     """The policy and its tokenizer, the rollout engine, and the resolved config (printed and saved)."""
     a = run.args
     run.model_path = resolve_model(a)
-    run.model, run.tok = load_model_and_tokenizer(a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool),
-                                                  run.model_path, run.device)
+    run.model, run.tok = load_model_and_tokenizer(
+        a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool), run.model_path, run.device)
     if not a.skill_max_tokens:            # [ours] room for the longest skill parse_skill accepts
-        a.skill_max_tokens = skill_token_budget(lambda t: run.tok.encode(t, add_special_tokens=False), a.skill_max_words)
+        a.skill_max_tokens = skill_token_budget(lambda t: run.tok.encode(t, add_special_tokens=False),
+                                                a.skill_max_words)
     run.summary["config"] = dataclasses.asdict(a)
     print0("config (resolved; also in config.json):\n" + "\n".join(
         "  " + "  ".join(f"--{k} {v}" for k, v in chunk) for chunk in _chunks(list(dataclasses.asdict(a).items()), 6)))
@@ -314,7 +318,8 @@ def build_policy(run: "Run"):
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
               max_prompt_tokens=a.max_prompt_tokens, stop_texts=list(run.pool.stop_texts))
     if a.engine == "vllm":                # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores π_old
-        run.engine = VLLMEngine(run.model_path, run.tok, max_model_len=a.max_prompt_tokens + max(a.max_new_tokens, a.skill_max_tokens),
+        max_model_len = a.max_prompt_tokens + max(a.max_new_tokens, a.skill_max_tokens)
+        run.engine = VLLMEngine(run.model_path, run.tok, max_model_len=max_model_len,
                                 seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization,
                                 sleep_level=a.vllm_sleep_level, **kw)
     else:
@@ -371,7 +376,8 @@ def finish(run: "Run"):
         rows, _ = report.read_calibration(run.run_dir / "calibration.jsonl")
         for mode, t in report.calibration_table(rows).items() if rows else ():
             s.update({f"calib/brier_{mode}": t["brier"], "calib/base_brier": t["base_brier"], "calib/tasks": t["n"]})
-            print0(f"trust check, {mode}: Brier {t['brier']:.4f} over {t['n']} skills (base rate {t['base_brier']:.4f})")
+            print0(f"trust check, {mode}: Brier {t['brier']:.4f} over {t['n']} skills "
+                   f"(base rate {t['base_brier']:.4f})")
     if D.RANK == 0:                       # one writer, atomic files
         write_json(run.run_dir / "summary.json", s)
         write_json(run.run_dir / "episodes.json", {"won": run.episodes.get("won"), "lost": run.episodes.get("lost")})
@@ -414,7 +420,8 @@ def evaluate_and_print(run: "Run", phase: str, when: str) -> tuple[dict, dict]:
         raise Preempted()
     print0(f"eval {when}: success {ev['eval/success']:.3f} on {ev['eval/episodes']} episodes "
            f"({len(run.eval_games)} tasks x {a.eval_repeats}, {time.time() - t0:.0f}s)"
-           + (f"; mean over data sources {ev['eval/success_source_mean']:.3f}" if "eval/success_source_mean" in ev else ""))
+           + (f"; mean over data sources {ev['eval/success_source_mean']:.3f}"
+              if "eval/success_source_mean" in ev else ""))
     return ev, by_game
 
 

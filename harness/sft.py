@@ -102,9 +102,7 @@ def sft(model, tok, pairs: list[tuple[str, str]], args, device, stop: Optional[C
         batch = [enc[rng.randrange(len(enc))] for _ in range(args.sft_batch)]
         opt.zero_grad(set_to_none=True)
         loss = sft_loss_backward(model, batch, tok.pad_token_id, device, args.sft_micro_tokens)
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-        if torch.isfinite(gn):            # a non-finite gradient would make every weight NaN: skip the step
+        if math.isfinite(D.clip_grad_norm(model, args.grad_clip)):   # a non-finite one would make every weight NaN
             opt.step()
         else:
             skipped += 1

@@ -68,7 +68,8 @@ class VLLMEngine:
     def __init__(self, model_path: str, tokenizer, *, max_new_tokens: int = 512, temperature: float = 1.0,
                  top_p: float = 1.0, max_prompt_tokens: int = 2048, max_model_len: Optional[int] = None,
                  stop_texts: Optional[list[str]] = None, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "bfloat16", enable_sleep_mode: bool = True, sleep_level: int = 2, enforce_eager: bool = False,
+                 dtype: str = "bfloat16", enable_sleep_mode: bool = True, sleep_level: int = 2,
+                 enforce_eager: bool = False,
                  logprobs_mode: str = "processed_logprobs", llm_kwargs: Optional[dict] = None):
         import os
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the external launcher runs in-process

@@ -342,6 +342,13 @@ def param_checksum(model) -> list[float]:
     return all_reduce(s.tolist()).tolist() if sharded else s.tolist()
 
 
+def clip_grad_norm(model, max_norm: float) -> float:
+    """Clip the gradients in place to a total norm of `max_norm` and return the norm before clipping, over every
+    rank's shards under FSDP2 (a DTensor there); non-finite when any gradient is."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def micro_batches(lengths: list[int], micro_batch: int, micro_tokens: int = 0) -> list[list[int]]:
     """Consecutive index groups: `micro_batch` sequences each, or with `micro_tokens` > 0 [ours] as many
     as fit count × longest <= micro_tokens (a longer sequence goes alone)."""
@@ -487,8 +494,8 @@ def checkpoint_damage(d: Path) -> Optional[str]:
 def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
     """Restore the newest complete checkpoint that loads (collective under FSDP2): this rank's shards of the
     policy and AdamW, and its RNG states. The weights loaded must give the checksum saved with them
-    (`param_checksum`), else the checkpoint does not load. Returns {"step", "rng", "extra", "path"}; None without checkpoints.
-    A damaged one is named and the previous one tried; when none loads, an error naming each."""
+    (`param_checksum`), else the checkpoint does not load. Returns {"step", "rng", "extra", "path"}; None without
+    checkpoints. A damaged one is named and the previous one tried; when none loads, an error naming each."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                          set_state_dict)

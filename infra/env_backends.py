@@ -554,7 +554,8 @@ def load_qa(path: str, source: str = "") -> list[dict]:
         try:
             rows = list(enumerate(pq.read_table(path).to_pylist(), 1))
         except Exception as e:            # noqa: BLE001 - pyarrow raises its own types for a bad file
-            raise EnvDataError(f"malformed QA file {path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+            raise EnvDataError(f"malformed QA file {path}: not a readable parquet file "
+                               f"({type(e).__name__}: {e})") from None
         if not rows:
             raise EnvDataError(f"QA file {path!r} is empty")
     else:
