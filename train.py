@@ -8,9 +8,11 @@
 
 One RL step (`rl_step`) calls, in the order of METHOD.md §2:
     rollout_and_advantages (Eq. 1) → write_skills (Eq. 2) → replay (Eq. 3-4) → share_records →
-    skill_rewards (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → score (old / reference / teacher
-    log-probs) → update (Eq. 10-12) → sync_weights → step_row
+    skill_metrics → skill_rewards (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → score (old / reference /
+    teacher log-probs) → update (Eq. 10-12) → sync_weights → step_row
 `--algo grpo` runs rollout, score, update; `opsd` adds skills and the teacher with λ ≡ 1; `rsipo` all of it.
+`rl_step` alone decides which sections run; the file follows it: the records, the step, its sections in call
+order, the update in its parts, then the warm start, the reference and `main`.
 Every section is a function of the `Run` (what the whole run holds) and the step's `Batch`; a test can call
 each on its own. Per task, the sections fill one `TaskRecord`; the records are gathered once a step.
 `main` reads as the run's phases. The plumbing below them (set-up, resume, checkpoints, SIGTERM, the files
@@ -69,201 +71,7 @@ from rollout import (Episode, Generation, Turn, by_task, collate, fit_prompt, ru
 from skills import ANALYZER_MAX_STEPS, analyzer_prompt, parse_skill
 
 
-# ---- The tasks of a step ----------------------------------------------------------------------------------------
-
-def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> list[int]:
-    """Indices of this step's RL tasks: n distinct tasks uniformly, or by_type [ours]: task types in a
-    shuffled cycle (as even as n allows), a uniformly drawn unused task of each."""
-    n = min(n, len(types))
-    if not by_type:
-        return rng.sample(range(len(types)), n)
-    pools: dict[str, list[int]] = {}
-    for i, t in enumerate(types):
-        pools.setdefault(t, []).append(i)
-    order = sorted(pools)
-    rng.shuffle(order)
-    out: list[int] = []
-    while len(out) < n:
-        for t in order:
-            if len(out) < n and pools[t]:
-                out.append(pools[t].pop(rng.randrange(len(pools[t]))))
-    return out
-
-
-
-# ---- The update, Eq. (10)-(12) ---------------------------------------------------------------------------------
-
-CONTRIB = {"loss", "pg/loss", "kl/k3", "entropy", "opsd/loss"}
-
-
-@dataclass
-class Sample:
-    """One sequence of the update: a student turn or a skill-writing response (METHOD.md §2.8)."""
-    prompt_ids: list[int]
-    response_ids: list[int]
-    adv: float                                  # Eq. (1) for turns, Eq. (5) for skills
-    old: torch.Tensor                           # [r] log π_old of the response tokens
-    ref: Optional[torch.Tensor] = None          # [r] log π_ref
-    teacher: Optional[torch.Tensor] = None      # [r] ℓ^T: same tokens, skill in the prompt (§2.7)
-    trust: float = 0.0                          # λ_q, Eq. (9); 0 wherever `teacher` is None (`score`)
-    skill: bool = False                         # a skill-writing sample: weight η, no teacher
-    turn: Optional[Turn] = None                 # the student turn it came from
-
-
-def _place(rows: list[torch.Tensor | None], samples: list[Sample], shape, device) -> torch.Tensor:
-    """Per-sample response vectors → a [B, R] tensor aligned with `collate`'s targets (0 where absent)."""
-    out = torch.zeros(shape, device=device)
-    for b, v in enumerate(rows):
-        if v is not None:
-            out[b, :len(v)] = v.to(device)
-    return out
-
-
-def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_teacher: bool):
-    """One epoch over this rank's samples in mini-batches (Eq. 10-12). Within a mini-batch the
-    student turns and the skill-writing samples run as separate calls (rsipo.py note 3) with three
-    token means over all ranks (rsipo.py note 9) [ours]: the PG term over the turns that carry a policy
-    gradient (the A ≠ 0 ones under --drop_zero_adv: GRPO's own sample set), OPSD over the student
-    turns, KL and entropy over every trained token; the skill PG term is η times its own token mean.
-    All ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
-    if use_teacher and any(s.trust and s.teacher is None for s in samples):
-        raise ValueError("a sample with λ > 0 has no teacher log-probs (score sets λ = 0 for those)")
-    order = list(range(len(samples)))
-    random.shuffle(order)
-    per_rank = max(1, args.mini_batch // D.WORLD)
-    n_mini = int(all_reduce(math.ceil(len(samples) / per_rank), "max")[0])
-    sums, metrics = UpdateSums(), {}
-    dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
-    model.train()
-    for m in range(n_mini):
-        chunk = [samples[i] for i in order[m * per_rank:(m + 1) * per_rank]]
-        opt.zero_grad(set_to_none=True)
-        tokens = token_counts(chunk, args.drop_zero_adv)
-        for skill in (False, True):   # student turns, then skill-writing samples
-            part = [s for s in chunk if s.skill == skill]
-            # [ours] with a token budget similar lengths go together (order is free in a mini-batch);
-            # ranks with fewer micro-batches run zero-weight dummies to keep FSDP collectives in step
-            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in part]
-            for sub, empty in aligned_micro_batches(part, lengths, args.micro_batch, args.micro_tokens, dummy):
-                micro_step(model, sub, skill, empty, tokens, args, pad_id, device, use_teacher and not skill, sums,
-                           first=m == 0, n_mini=n_mini)
-        optimizer_step(model, opt, args, metrics, n_mini)
-    return {**metrics, **sums.reduce(samples, n_mini)}
-
-
-@dataclass
-class TokenCounts:
-    """The token counts one mini-batch's means divide by, each summed over all ranks and divided by the world
-    size: FSDP averages the gradients over ranks, so a rank whose loss is its tokens' sum over N / W gives,
-    averaged, the sum over every rank's tokens over N (the global token mean)."""
-    turn: float                           # student turns' response tokens: OPSD
-    pg: float                             # those of turns with a policy gradient: the PG term
-    skill: float                          # skill-writing samples' tokens: the skill PG term
-
-
-def token_counts(chunk: list[Sample], drop_zero_adv: bool) -> TokenCounts:
-    pg_bearing = [s for s in chunk if not s.skill and (s.adv != 0.0 or not drop_zero_adv)]
-    local = [sum(len(s.response_ids) for s in chunk if not s.skill), sum(len(s.response_ids) for s in pg_bearing),
-             sum(len(s.response_ids) for s in chunk if s.skill)]
-    return TokenCounts(*(float(x) / D.WORLD for x in all_reduce(local)))
-
-
-def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: TokenCounts, args: Args, pad_id, device,
-               use_teacher: bool, sums: "UpdateSums", first: bool, n_mini: int):
-    """Forward and backward of one micro-batch of student turns or (`skill`) skill samples, or of a dummy that
-    weighs 0 (`empty`): the loss of Eq. (12) over its mini-batch's token counts; its metrics go into `sums`."""
-    ids, attn, tgt, mask = collate([(s.prompt_ids, s.response_ids) for s in sub], pad_id, device)
-    if empty:
-        mask = mask * 0
-    logp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, R]
-    old = _place([s.old for s in sub], sub, logp.shape, device)
-    if first:
-        sums.add_first_gap((logp.detach() - old).abs() * mask, mask)
-    ref = _place([s.ref for s in sub], sub, logp.shape, device) if sub[0].ref is not None else None
-    teacher = None
-    if use_teacher:
-        teacher = _place([s.teacher for s in sub], sub, logp.shape, device)
-        # a sample without teacher log-probs has λ = 0 (`score` decides it); ℓ^T := ℓ fills its row
-        no_teacher = torch.tensor([s.teacher is None for s in sub], device=device)[:, None]
-        teacher = torch.where(no_teacher, logp.detach(), teacher)
-    adv = torch.tensor([s.adv for s in sub], device=device)                               # [B]
-    trust = torch.tensor([s.trust for s in sub], device=device)                           # [B]
-    n_tok = tokens.skill if skill else tokens.turn
-    loss, step_metrics = rsipo.rsipo_loss(
-        logp, old, adv, mask, entropy=ent, ref_logp=ref, teacher_logp=teacher,
-        trust=trust if teacher is not None else None, clip_eps=args.clip_eps, beta=args.beta, alpha=args.alpha,
-        c_kl=args.c_kl, c_ent=args.c_ent, pg_weight=args.eta if skill else 1.0, n_tokens=max(n_tok, 1.0),
-        pg_n_tokens=max(n_tok if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0))
-    loss.backward()
-    sums.add(step_metrics, skill, float(mask.sum()), n_mini)
-
-
-def optimizer_step(model, opt, args: Args, metrics: dict, n_mini: int):
-    """Clip the gradient norm and step AdamW at the (warmed-up) rate; a non-finite norm skips the step."""
-    norm = D.clip_grad_norm(model, args.grad_clip)
-    if not math.isfinite(norm):
-        print0(f"  non-finite grad norm ({norm}): optimizer step skipped")
-        metrics["update/skipped"] = metrics.get("update/skipped", 0) + 1
-        opt.zero_grad(set_to_none=True)
-        return
-    if args.lr_warmup:   # [ours] Adam's first steps are sign-like; ramp the rate up
-        state = next(iter(opt.state.values()), {})   # steps taken so far: Adam's own (checkpointed) count
-        done = int(state["step"]) if "step" in state else 0
-        for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, (done + 1) / args.lr_warmup)
-    opt.step()
-    metrics["update/lr"] = opt.param_groups[0]["lr"]
-    metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + norm / n_mini
-
-
-def is_loss_term(name: str) -> bool:
-    """A loss term (its value already over the global token count), with or without the skill samples' prefix."""
-    return name.removeprefix("skill_") in CONTRIB
-
-
-@dataclass
-class UpdateSums:
-    """One update's metrics on this rank, summed: the loss terms (summed over micro-batches, averaged over
-    mini-batches), every other metric weighted by its micro-batch's tokens (skill samples' names prefixed
-    skill_), the student tokens, and |ℓ − ℓ_old| over the first mini-batch. [ours] That mini-batch runs before
-    any optimizer step, where π_θ is π_old: a gap above the compute dtype's noise means the sampler's weights or
-    buffers are not the trained ones."""
-    loss_terms: dict = field(default_factory=dict)
-    weighted: dict = field(default_factory=dict)
-    turn_tokens: float = 0.0
-    gap: list = field(default_factory=lambda: [0.0, 0.0, 0.0])   # sum, tokens, max
-
-    def add(self, step_metrics: dict, skill: bool, n_tokens: float, n_mini: int):
-        self.turn_tokens += n_tokens * (not skill)
-        for k, v in step_metrics.items():
-            k = f"skill_{k}" if skill else k
-            if is_loss_term(k):
-                self.loss_terms[k] = self.loss_terms.get(k, 0.0) + float(v) / n_mini
-            elif not k.endswith("n_tokens"):
-                self.weighted[k] = self.weighted.get(k, 0.0) + float(v) * n_tokens
-
-    def add_first_gap(self, gap: torch.Tensor, mask: torch.Tensor):
-        self.gap[0] += float(gap.sum())
-        self.gap[1] += float(mask.sum())
-        self.gap[2] = max(self.gap[2], float(gap.max()))
-
-    def reduce(self, samples: list[Sample], n_mini: int) -> dict:
-        """Over all ranks: loss terms are already over the global token count (their mean over ranks), the
-        others become token means."""
-        total = all_reduce_union({**self.loss_terms, **self.weighted, "n/turn_tokens": self.turn_tokens,
-                                  "n/skill_tokens": sum(len(s.response_ids) for s in samples if s.skill)})
-        n_turn, n_skill = total.pop("n/turn_tokens"), total.pop("n/skill_tokens")
-        out = {k: v / D.WORLD if is_loss_term(k) else v / max(1.0, n_skill if k.startswith("skill_") else n_turn)
-               for k, v in total.items()}
-        gap_sum, gap_tokens = all_reduce(self.gap[:2])
-        out["update/first_logp_gap_mean"] = float(gap_sum / max(1.0, gap_tokens))
-        out["update/first_logp_gap_max"] = float(all_reduce(self.gap[2], "max")[0])
-        out["update/mini_batches"] = n_mini
-        out["update/tokens"] = n_turn
-        return out
-
-
-# ---- One step's records ----------------------------------------------------------------------------------------
+# ---- One step's records ----------------------------------------------------------------------------------------------
 
 @dataclass
 class TaskRecord:
@@ -299,12 +107,30 @@ class Batch:
     metrics: dict = field(default_factory=dict)
 
 
-# ---- One RL step, section by section (METHOD.md §2) ------------------------------------------------------------
+@dataclass
+class Sample:
+    """One sequence of the update: a student turn or a skill-writing response (METHOD.md §2.8)."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    adv: float                                  # Eq. (1) for turns, Eq. (5) for skills
+    old: torch.Tensor                           # [r] log π_old of the response tokens
+    ref: Optional[torch.Tensor] = None          # [r] log π_ref
+    teacher: Optional[torch.Tensor] = None      # [r] ℓ^T: same tokens, skill in the prompt (§2.7)
+    trust: float = 0.0                          # λ_q, Eq. (9); 0 wherever `teacher` is None (`score`)
+    skill: bool = False                         # a skill-writing sample: weight η, no teacher
+    turn: Optional[Turn] = None                 # the student turn it came from
+
+
+# ---- One RL step, section by section (METHOD.md §2) ------------------------------------------------------------------
 
 def rl_step(run: Run, step: int) -> dict:
-    """One step of the method; returns its row of metrics.jsonl. Between the sections before the update, a
-    SIGTERM on any rank abandons the step (`Preemption`)."""
+    """One step of the method; returns its row of metrics.jsonl. Which sections run is decided here, and only
+    here: grpo and gigpo roll out, score and update; opsd adds skills and a teacher that trusts every valid one
+    (λ ≡ 1); rsipo replays each skill, trusts it by its replay gain, trains the skill writer (Eq. 5) and banks
+    the validated skills. Between the sections before the update, a SIGTERM on any rank abandons the step
+    (`Preemption`)."""
     a, timer, check = run.args, Timer(), run.preempt.check
+    rsipo_sections = a.algo == "rsipo"
     with timer("rollout"):
         b = rollout_and_advantages(run)
     check()
@@ -312,14 +138,17 @@ def rl_step(run: Run, step: int) -> dict:
         with timer("skills"):
             write_skills(run, b)
         check()
-        if a.algo == "rsipo":
+        if rsipo_sections:
             with timer("replay"):
                 replay(run, b)
             check()
         recs = share_records(b)
-        skill_rewards(run, b, recs)
-        trust(run, b, recs)
-        keep_skills(run, recs, step)
+        skill_metrics(run, b, recs)
+        if rsipo_sections:
+            skill_rewards(run, recs)
+        trust(run, b, recs, replayed=rsipo_sections)
+        if rsipo_sections:
+            keep_skills(run, recs, step)
         if a.calibrate:
             with timer("calibrate"):
                 calibrate(run, b, step)
@@ -359,6 +188,25 @@ def rollout_and_advantages(run: Run) -> Batch:
     records = [TaskRecord(t[run.pool.task_key], group[0].task_type, gain=a.r_bad)
                for t, group in zip(tasks, by_task(eps, N))]
     return Batch(tasks, eps, turns, adv.tolist(), records, metrics=metrics)
+
+
+def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> list[int]:
+    """Indices of this step's RL tasks: n distinct tasks uniformly, or by_type [ours]: task types in a
+    shuffled cycle (as even as n allows), a uniformly drawn unused task of each."""
+    n = min(n, len(types))
+    if not by_type:
+        return rng.sample(range(len(types)), n)
+    pools: dict[str, list[int]] = {}
+    for i, t in enumerate(types):
+        pools.setdefault(t, []).append(i)
+    order = sorted(pools)
+    rng.shuffle(order)
+    out: list[int] = []
+    while len(out) < n:
+        for t in order:
+            if len(out) < n and pools[t]:
+                out.append(pools[t].pop(rng.randrange(len(pools[t]))))
+    return out
 
 
 def source_and_control(group: list[Episode], design: str) -> tuple[list[Episode], list[Episode]]:
@@ -459,22 +307,33 @@ def share_records(b: Batch) -> list[TaskRecord]:
     return recs
 
 
-def skill_rewards(run: Run, b: Batch, recs: list[TaskRecord]):
-    """Eq. (5) (§2.5, rsipo): the skill-writing advantage over the tasks that wrote a skill and have a skill
-    reward (the replay gain; an invalid skill: r_bad), against running means per task type; and the skills'
-    metrics, also by the outcome of the episode each skill was written from (won / lost)."""
+def skill_reward(r: TaskRecord, r_bad: float) -> float:
+    """Eq. (5)'s g̃ of a task that wrote a skill: its replay gain, or r_bad for an invalid skill."""
+    return r.gain if r.skill else r_bad
+
+
+def skill_rewards(run: Run, recs: list[TaskRecord]):
+    """Eq. (5) (§2.5): the skill-writing advantage A^skill over the tasks that wrote a skill and have a skill
+    reward (the replay gain; an invalid skill: r_bad; a skill whose replay failed has none), against running
+    means per task type."""
+    a = run.args
+    rewarded = [r for r in recs if r.source is not None and (r.skill is None or r.replay_ok)]
+    A, run.skill_means = rsipo.skill_advantages(
+        torch.tensor([skill_reward(r, a.r_bad) for r in rewarded], dtype=torch.float32),
+        [r.task_type for r in rewarded], torch.tensor([r.skill is not None for r in rewarded]), r_bad=a.r_bad,
+        running_means=run.skill_means)
+    for r, adv in zip(rewarded, A.tolist()):
+        r.skill_adv = adv
+
+
+def skill_metrics(run: Run, b: Batch, recs: list[TaskRecord]):
+    """The skills of the step, all ranks: how many tasks wrote one, how many are valid, their rewards (Eq. 5's
+    g̃), what they name, also by the outcome of the episode each was written from (won / lost)."""
     a, m = run.args, b.metrics
     written = [r for r in recs if r.source is not None]
 
-    def reward(r: TaskRecord) -> float:   # Eq. (5)'s g̃: the replay gain, or r_bad for an invalid skill
-        return r.gain if r.skill else a.r_bad
-    if a.algo == "rsipo":
-        rewarded = [r for r in written if r.skill is None or r.replay_ok]
-        A, run.skill_means = rsipo.skill_advantages(
-            torch.tensor([reward(r) for r in rewarded], dtype=torch.float32), [r.task_type for r in rewarded],
-            torch.tensor([r.skill is not None for r in rewarded]), r_bad=a.r_bad, running_means=run.skill_means)
-        for r, adv in zip(rewarded, A.tolist()):
-            r.skill_adv = adv
+    def reward(r: TaskRecord) -> float:
+        return skill_reward(r, a.r_bad)
     facts = [r.facts for r in recs if r.facts]
     for key in ("object", "target", "place") if facts else ():
         m[f"skill/names_{key}"] = float(np.mean([f[key] for f in facts]))
@@ -493,14 +352,14 @@ def skill_rewards(run: Run, b: Batch, recs: list[TaskRecord]):
             m[f"skill/{source}_reward"] = float(np.mean(mine))
 
 
-def trust(run: Run, b: Batch, recs: list[TaskRecord]):
+def trust(run: Run, b: Batch, recs: list[TaskRecord], replayed: bool):
     """Eq. (6)-(9) (§2.6): the empirical-Bayes trust λ_q in each task's teacher and the shrunk gain ĝ_q, from
-    the replay gains of every rank's tasks (opsd: λ ≡ 1 for every valid skill, no replay); the replay gain
-    and λ also by the outcome of the skill's source episode."""
+    the replay gains of every rank's tasks; without a replay (opsd) λ ≡ 1 for every valid skill. The replay
+    gain and λ also by the outcome of the skill's source episode."""
     a, m = run.args, b.metrics
     ok = [i for i, r in enumerate(recs) if r.replay_ok]
     lam, shrunk = np.zeros(len(recs)), np.array([r.gain for r in recs], dtype=float)
-    if a.algo == "opsd":
+    if not replayed:
         lam[ok] = 1.0                     # the SEED/SDAR family: fresh skills, λ ≡ 1, no replay
     elif ok:
         g, v, ty = [recs[i].gain for i in ok], [recs[i].var for i in ok], [recs[i].task_type for i in ok]
@@ -530,11 +389,10 @@ def trust(run: Run, b: Batch, recs: list[TaskRecord]):
 
 
 def keep_skills(run: Run, recs: list[TaskRecord], step: int):
-    """§2.10 (rsipo): the bank keeps the validated skills, those whose replay ran and whose shrunk gain ĝ > 0."""
-    if run.args.algo != "rsipo":
-        return
+    """§2.10: the skills whose replay ran are offered to the bank, which keeps the validated ones: shrunk gain
+    ĝ > 0 (`SkillBank.add`)."""
     for r in recs:
-        if r.skill is not None and r.replay_ok and r.shrunk > 0:
+        if r.skill is not None and r.replay_ok:
             run.bank.add(r.task_type, r.skill, r.gain, r.shrunk, r.task_id, step + 1)
 
 
@@ -569,7 +427,7 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     b.metrics.update(sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
                                  + [(sm.old, b.skill_gens[k].logprobs) for sm, k in zip(skill_samples, mine_k)
                                     if b.skill_gens[k].free]))
-    kept = [sm for sm in samples if sm.trust > 0] if a.uses_skills else []
+    kept = [sm for sm in samples if sm.trust > 0]   # grpo and gigpo trust no teacher: every λ is 0
     teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
                           run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
     fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
@@ -601,6 +459,166 @@ def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
             out[f"teacher/gap_{kind}"], out[f"teacher/tokens_{kind}"] = float(total / n), int(n)
     return out
 
+
+# ---- The update, Eq. (10)-(12) ---------------------------------------------------------------------------------------
+
+def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_teacher: bool):
+    """One epoch over this rank's samples in mini-batches (Eq. 10-12). Within a mini-batch the
+    student turns and the skill-writing samples run as separate calls (rsipo.py note 3) with three
+    token means over all ranks (rsipo.py note 9) [ours]: the PG term over the turns that carry a policy
+    gradient (the A ≠ 0 ones under --drop_zero_adv: GRPO's own sample set), OPSD over the student
+    turns, KL and entropy over every trained token; the skill PG term is η times its own token mean.
+    All ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
+    if use_teacher and any(s.trust and s.teacher is None for s in samples):
+        raise ValueError("a sample with λ > 0 has no teacher log-probs (score sets λ = 0 for those)")
+    order = list(range(len(samples)))
+    random.shuffle(order)
+    per_rank = max(1, args.mini_batch // D.WORLD)
+    n_mini = int(all_reduce(math.ceil(len(samples) / per_rank), "max")[0])
+    sums, metrics = UpdateSums(), {}
+    dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
+    model.train()
+    for m in range(n_mini):
+        chunk = [samples[i] for i in order[m * per_rank:(m + 1) * per_rank]]
+        opt.zero_grad(set_to_none=True)
+        tokens = token_counts(chunk, args.drop_zero_adv)
+        for skill in (False, True):   # student turns, then skill-writing samples
+            part = [s for s in chunk if s.skill == skill]
+            # [ours] with a token budget similar lengths go together (order is free in a mini-batch);
+            # ranks with fewer micro-batches run zero-weight dummies to keep FSDP collectives in step
+            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in part]
+            for sub, empty in aligned_micro_batches(part, lengths, args.micro_batch, args.micro_tokens, dummy):
+                micro_step(model, sub, skill, empty, tokens, args, pad_id, device, use_teacher and not skill, sums,
+                           first=m == 0, n_mini=n_mini)
+        optimizer_step(model, opt, args, metrics, n_mini)
+    return {**metrics, **sums.reduce(samples, n_mini)}
+
+
+@dataclass
+class TokenCounts:
+    """The token counts one mini-batch's means divide by, each summed over all ranks and divided by the world
+    size: FSDP averages the gradients over ranks, so a rank whose loss is its tokens' sum over N / W gives,
+    averaged, the sum over every rank's tokens over N (the global token mean)."""
+    turn: float                           # student turns' response tokens: OPSD
+    pg: float                             # those of turns with a policy gradient: the PG term
+    skill: float                          # skill-writing samples' tokens: the skill PG term
+
+
+def token_counts(chunk: list[Sample], drop_zero_adv: bool) -> TokenCounts:
+    pg_bearing = [s for s in chunk if not s.skill and (s.adv != 0.0 or not drop_zero_adv)]
+    local = [sum(len(s.response_ids) for s in chunk if not s.skill), sum(len(s.response_ids) for s in pg_bearing),
+             sum(len(s.response_ids) for s in chunk if s.skill)]
+    return TokenCounts(*(float(x) / D.WORLD for x in all_reduce(local)))
+
+
+def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: TokenCounts, args: Args, pad_id, device,
+               use_teacher: bool, sums: "UpdateSums", first: bool, n_mini: int):
+    """Forward and backward of one micro-batch of student turns or (`skill`) skill samples, or of a dummy that
+    weighs 0 (`empty`): the loss of Eq. (12) over its mini-batch's token counts; its metrics go into `sums`."""
+    ids, attn, tgt, mask = collate([(s.prompt_ids, s.response_ids) for s in sub], pad_id, device)
+    if empty:
+        mask = mask * 0
+    logp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, R]
+    old = _place([s.old for s in sub], sub, logp.shape, device)
+    if first:
+        sums.add_first_gap((logp.detach() - old).abs() * mask, mask)
+    ref = _place([s.ref for s in sub], sub, logp.shape, device) if sub[0].ref is not None else None
+    teacher = None
+    if use_teacher:
+        teacher = _place([s.teacher for s in sub], sub, logp.shape, device)
+        # a sample without teacher log-probs has λ = 0 (`score` decides it); ℓ^T := ℓ fills its row
+        no_teacher = torch.tensor([s.teacher is None for s in sub], device=device)[:, None]
+        teacher = torch.where(no_teacher, logp.detach(), teacher)
+    adv = torch.tensor([s.adv for s in sub], device=device)                               # [B]
+    trust = torch.tensor([s.trust for s in sub], device=device)                           # [B]
+    n_tok = tokens.skill if skill else tokens.turn
+    loss, step_metrics = rsipo.rsipo_loss(
+        logp, old, adv, mask, entropy=ent, ref_logp=ref, teacher_logp=teacher,
+        trust=trust if teacher is not None else None, clip_eps=args.clip_eps, beta=args.beta, alpha=args.alpha,
+        c_kl=args.c_kl, c_ent=args.c_ent, pg_weight=args.eta if skill else 1.0, n_tokens=max(n_tok, 1.0),
+        pg_n_tokens=max(n_tok if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0))
+    loss.backward()
+    sums.add(step_metrics, skill, float(mask.sum()), n_mini)
+
+
+def optimizer_step(model, opt, args: Args, metrics: dict, n_mini: int):
+    """Clip the gradient norm and step AdamW at the (warmed-up) rate; a non-finite norm skips the step."""
+    norm = D.clip_grad_norm(model, args.grad_clip)
+    if not math.isfinite(norm):
+        print0(f"  non-finite grad norm ({norm}): optimizer step skipped")
+        metrics["update/skipped"] = metrics.get("update/skipped", 0) + 1
+        opt.zero_grad(set_to_none=True)
+        return
+    if args.lr_warmup:   # [ours] Adam's first steps are sign-like; ramp the rate up
+        state = next(iter(opt.state.values()), {})   # steps taken so far: Adam's own (checkpointed) count
+        done = int(state["step"]) if "step" in state else 0
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, (done + 1) / args.lr_warmup)
+    opt.step()
+    metrics["update/lr"] = opt.param_groups[0]["lr"]
+    metrics["update/grad_norm"] = metrics.get("update/grad_norm", 0.0) + norm / n_mini
+
+
+CONTRIB = {"loss", "pg/loss", "kl/k3", "entropy", "opsd/loss"}
+
+
+def is_loss_term(name: str) -> bool:
+    """A loss term (its value already over the global token count), with or without the skill samples' prefix."""
+    return name.removeprefix("skill_") in CONTRIB
+
+
+@dataclass
+class UpdateSums:
+    """One update's metrics on this rank, summed: the loss terms (summed over micro-batches, averaged over
+    mini-batches), every other metric weighted by its micro-batch's tokens (skill samples' names prefixed
+    skill_), the student tokens, and |ℓ − ℓ_old| over the first mini-batch. [ours] That mini-batch runs before
+    any optimizer step, where π_θ is π_old: a gap above the compute dtype's noise means the sampler's weights or
+    buffers are not the trained ones."""
+    loss_terms: dict = field(default_factory=dict)
+    weighted: dict = field(default_factory=dict)
+    turn_tokens: float = 0.0
+    gap: list = field(default_factory=lambda: [0.0, 0.0, 0.0])   # sum, tokens, max
+
+    def add(self, step_metrics: dict, skill: bool, n_tokens: float, n_mini: int):
+        self.turn_tokens += n_tokens * (not skill)
+        for k, v in step_metrics.items():
+            k = f"skill_{k}" if skill else k
+            if is_loss_term(k):
+                self.loss_terms[k] = self.loss_terms.get(k, 0.0) + float(v) / n_mini
+            elif not k.endswith("n_tokens"):
+                self.weighted[k] = self.weighted.get(k, 0.0) + float(v) * n_tokens
+
+    def add_first_gap(self, gap: torch.Tensor, mask: torch.Tensor):
+        self.gap[0] += float(gap.sum())
+        self.gap[1] += float(mask.sum())
+        self.gap[2] = max(self.gap[2], float(gap.max()))
+
+    def reduce(self, samples: list[Sample], n_mini: int) -> dict:
+        """Over all ranks: loss terms are already over the global token count (their mean over ranks), the
+        others become token means."""
+        total = all_reduce_union({**self.loss_terms, **self.weighted, "n/turn_tokens": self.turn_tokens,
+                                  "n/skill_tokens": sum(len(s.response_ids) for s in samples if s.skill)})
+        n_turn, n_skill = total.pop("n/turn_tokens"), total.pop("n/skill_tokens")
+        out = {k: v / D.WORLD if is_loss_term(k) else v / max(1.0, n_skill if k.startswith("skill_") else n_turn)
+               for k, v in total.items()}
+        gap_sum, gap_tokens = all_reduce(self.gap[:2])
+        out["update/first_logp_gap_mean"] = float(gap_sum / max(1.0, gap_tokens))
+        out["update/first_logp_gap_max"] = float(all_reduce(self.gap[2], "max")[0])
+        out["update/mini_batches"] = n_mini
+        out["update/tokens"] = n_turn
+        return out
+
+
+def _place(rows: list[torch.Tensor | None], samples: list[Sample], shape, device) -> torch.Tensor:
+    """Per-sample response vectors → a [B, R] tensor aligned with `collate`'s targets (0 where absent)."""
+    out = torch.zeros(shape, device=device)
+    for b, v in enumerate(rows):
+        if v is not None:
+            out[b, :len(v)] = v.to(device)
+    return out
+
+
+# ---- After the update ------------------------------------------------------------------------------------------------
 
 def sync_weights(run: Run):
     """The rollout weights follow the policy: the rollout copy reloads it (HF engine), or the FSDP2
@@ -643,7 +661,7 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
             **b.metrics, **extra}
 
 
-# ---- The warm start and the reference; the run's phases --------------------------------------------------------
+# ---- The warm start and the reference; the run's phases --------------------------------------------------------------
 
 def begin(run: Run):
     """Resume from the newest checkpoint, or warm-start (SFT) and evaluate the start; then the reference.

@@ -339,10 +339,15 @@ def changed_defaults(a: Args, gpu: Optional[bool] = None) -> list[str]:
     out = []
     for f in dataclasses.fields(Args):
         v = getattr(a, f.name)
-        if v != f.default:
+        if v != f.default and v != _expanded(f):
             src = f"preset {preset[f.name][1]}" if f.name in preset and preset[f.name][0] == v else "command line"
             out.append(f"--{f.name} {v} ({src}; default {f.default})")
     return out
+
+
+def _expanded(f: dataclasses.Field):
+    """A path flag's default as the command line expands it (~ and $VARS), else the default itself."""
+    return os.path.expandvars(os.path.expanduser(f.default)) if f.metadata.get("path") and f.default else f.default
 
 
 def parse_flags(cls, argv, presets_of, tables: dict[str, dict], description: str):

@@ -85,3 +85,17 @@ def test_held_out_curves_and_the_env_steps_to_reach_the_baselines_end(tmp_path):
         [(0, pytest.approx(0.2), pytest.approx(0.1)), (2000, pytest.approx(0.3), pytest.approx(0.1))]
     assert C.steps_to_reach([(0, 0.1, 0), (1000, 0.3, 0)], 0.2) == pytest.approx(500)   # halfway, linear
     assert C.steps_to_reach([(0, 0.1, 0), (1000, 0.15, 0)], 0.2) is None
+
+
+def test_same_metrics_compares_every_value_but_time_and_memory(tmp_path):
+    import same_metrics as SM
+    before = [{"step": 1, "loss": 0.5, "time/step": 3.0, "mem/update": 1.0}, {"step": 2, "loss": 0.25}]
+    assert SM.differences(before, [{**before[0], "time/step": 9.0, "mem/update": 2.0}, before[1]]) == []
+    assert SM.differences(before, [before[0], {"step": 2, "loss": 0.26}]) == ["row 1: loss: 0.25 → 0.26"]
+    assert SM.differences(before, [before[0], {"step": 2, "loss": 0.25, "kl": 0.1}]) == ["row 1: kl: <absent> → 0.1"]
+    assert SM.differences(before, before[:1]) == ["rows: 2 → 1"]
+    for name, rows in (("a", before), ("b", [before[0], {"step": 2, "loss": 0.3}])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert SM.main([str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+    assert SM.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1

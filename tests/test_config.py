@@ -68,6 +68,7 @@ def test_changed_defaults_name_their_source(monkeypatch):
     assert "--c_kl 0.05 (preset tiny; default 0.01)" in got
     assert not any(c.startswith("--algo ") for c in got)                     # at its default: not listed
     assert config.changed_defaults(config.Args(), gpu=False) == []
+    assert not any(c.startswith("--cache_dir") for c in got)                 # ~ expanded is still the default
 
 
 def test_help_shows_each_presets_values_and_purpose(capsys):
