@@ -3,7 +3,7 @@
 Contract
 --------
 * `Turn` is one training sample: the prompt the policy saw at one step of one episode, the
-  response it sampled, a per-token `loss_mask` over the response, the sampler's log-probs (for
+  response it sampled (every response token is trained), the sampler's log-probs (for
   diagnostics only: the trainer recomputes old log-probs), whether the response had a parsable
   action (`invalid` → the format penalty), and the task / group / episode it belongs to.
 * `Episode` holds its turns, the episode reward (ALFWorld: 10 on a win), `won`, the (observation,
@@ -51,7 +51,6 @@ STOP_TEXT = "</action>"
 class Turn:
     prompt_ids: list[int]
     response_ids: list[int]
-    loss_mask: list[int]                       # 1 on response tokens that are trained
     sampler_logprobs: list[float]
     invalid: bool                              # no parsable action → format penalty
     task_id: str
@@ -378,7 +377,7 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
             act = parse(g.text)
             ep = eps[i]
             ep.turns.append(Turn(prompt_ids=g.prompt_ids, response_ids=g.token_ids,
-                                 loss_mask=[1] * len(g.token_ids), sampler_logprobs=g.logprobs,
+                                 sampler_logprobs=g.logprobs,
                                  invalid=act is None, task_id=ep.task_id, task_type=ep.task_type,
                                  group_id=ep.group_id, episode_id=ep.episode_id, step=step,
                                  prompt_text=p, response_text=g.text, free=g.free))

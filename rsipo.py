@@ -11,7 +11,7 @@ response), L response tokens, V vocabulary, T turn-samples, K tasks.
 Implemented (equation numbers are the ones in METHOD.md §2):
 
 * ``turn_scores``        s_{i,t} = R_i − p_fmt·invalid_{i,t}                              (step 1)
-* ``group_advantages``   A_{i,t} = (s_{i,t} − mean_q s) / (std_q s + eps)                 (Eq. 1)
+* ``group_advantages``   A_{i,t} = (s_{i,t} − mean_q s) / (std_q s + stabilizer)                 (Eq. 1)
 * ``token_logprobs`` / ``entropy_from_logits``   ℓ = log π(y_t | ·) and H, both in fp32
   (``logprobs_and_entropy``: both from one log-softmax)
 * ``masked_token_mean``  TokenMean[x] = Σ x·mask / n_tokens
@@ -122,8 +122,8 @@ def turn_scores(episode_reward: Tensor, invalid: Tensor, p_fmt: float) -> Tensor
     return r - p_fmt * invalid.to(r.dtype)  # [T]  step 1: format penalty per turn
 
 
-def group_advantages(scores: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
-    """Eq. (1): A = (s − mean_g s) / (std_g s + eps) over all turn-samples sharing a group id.
+def group_advantages(scores: Tensor, group_ids: Tensor, stabilizer: float = 1e-6) -> Tensor:
+    """Eq. (1): A = (s − mean_g s) / (std_g s + stabilizer) over all turn-samples sharing a group id.
 
     scores: [T] float; group_ids: [T] long (any integers, e.g. the task index). Unbiased std
     (n − 1); a group of one sample gets std 0, hence advantage 0 (deviation 1). Vectorised with
@@ -140,8 +140,8 @@ def group_advantages(scores: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Te
     sq = torch.zeros(G, dtype=s.dtype, device=s.device).index_add_(0, inv, dev * dev)  # [G]
     std = (sq / (count - 1).clamp(min=1)).sqrt()  # [G] unbiased; single-sample group -> 0
     std_t = std[inv]  # [T]
-    # zero spread (single sample or all-equal group) means dev == 0: advantage 0, even for eps = 0
-    adv = torch.where(std_t > 0, dev / (std_t + eps), torch.zeros_like(dev))  # [T]  Eq. (1)
+    # zero spread (single sample or all-equal group) means dev == 0: advantage 0, even for stabilizer = 0
+    adv = torch.where(std_t > 0, dev / (std_t + stabilizer), torch.zeros_like(dev))  # [T]  Eq. (1)
     out_dtype = scores.dtype if scores.is_floating_point() else torch.get_default_dtype()
     return adv.to(out_dtype)
 
@@ -164,11 +164,11 @@ def step_returns(step_rewards: Tensor, episode_ids: Tensor, gamma: float = 0.95)
     return out.to(step_rewards.dtype if step_rewards.is_floating_point() else torch.get_default_dtype())
 
 
-def step_advantages(returns: Tensor, anchor_ids: Tensor, eps: float = 1e-6) -> Tensor:
+def step_advantages(returns: Tensor, anchor_ids: Tensor, stabilizer: float = 1e-6) -> Tensor:
     """GiGPO's step-level advantage: Eq. (1)'s normalisation of the step returns within anchor-state
     groups (turns of one task's group that acted on the identical observation). anchor_ids: [T] any
     integers; a turn alone in its group gets 0. Returns [T]."""
-    return group_advantages(returns, anchor_ids, eps)
+    return group_advantages(returns, anchor_ids, stabilizer)
 
 # ----------------------------------------------------------------------------------------------
 # Log-probs, entropy, token mean

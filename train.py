@@ -8,7 +8,7 @@
 
 One RL step (`rl_step`) calls, in the order of METHOD.md §2:
     rollout_and_advantages (Eq. 1) → write_skills (Eq. 2) → replay (Eq. 3-4) → share_records →
-    skill_metrics → skill_rewards (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → score (old / reference /
+    skill_metrics → skill_advantages (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → score (old / reference /
     teacher log-probs) → update (Eq. 10-12) → sync_weights → step_row
 `--algo grpo` runs rollout, score, update; `opsd` adds skills and the teacher with λ ≡ 1; `rsipo` all of it.
 `rl_step` alone decides which sections run; the file follows it: the records, the step, its sections in call
@@ -62,7 +62,7 @@ from harness.run import (Preempted, Preemption, Run, Timer, build_policy, comput
                          log_row, progress, restore, resume, save, save_policy, setup, snapshot, stop_preempted,
                          teardown)
 from harness.sft import load_sft_jsonl, sft
-from harness.trust_check import calibrate
+from harness.calibration import calibrate
 from infra import distributed as D
 from infra.distributed import (aligned_micro_batches, all_gather_obj, all_reduce, all_reduce_named, all_reduce_union,
                                print0, shard)
@@ -145,7 +145,7 @@ def rl_step(run: Run, step: int) -> dict:
         recs = share_records(b)
         skill_metrics(run, b, recs)
         if rsipo_sections:
-            skill_rewards(run, recs)
+            skill_advantages(run, recs)
         trust(run, b, recs, replayed=rsipo_sections)
         if rsipo_sections:
             keep_skills(run, recs, step)
@@ -312,7 +312,7 @@ def skill_reward(r: TaskRecord, r_bad: float) -> float:
     return r.gain if r.skill else r_bad
 
 
-def skill_rewards(run: Run, recs: list[TaskRecord]):
+def skill_advantages(run: Run, recs: list[TaskRecord]):
     """Eq. (5) (§2.5): the skill-writing advantage A^skill over the tasks that wrote a skill and have a skill
     reward (the replay gain; an invalid skill: r_bad; a skill whose replay failed has none), against running
     means per task type."""
@@ -417,9 +417,12 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     mine_k = [k for k, r in enumerate(b.records) if r.skill_adv is not None and b.skill_gens[k].token_ids and a.eta > 0]
     skill_samples = [Sample(b.skill_gens[k].prompt_ids, b.skill_gens[k].token_ids, b.records[k].skill_adv, None,
                             skill=True) for k in mine_k]
+    # π_old, the weights that sampled: the rollout copy on the HF engine; with vLLM the FSDP2 policy itself,
+    # whose weights vLLM holds (synced after the last update, and this step's update has not run)
+    old_model = run.rollout_model if run.rollout_model is not None else run.model
     for group in (skill_samples, samples):
         pairs = [(sm.prompt_ids, sm.response_ids) for sm in group]
-        for sm, o in zip(group, run.logprobs(run.scorer, pairs)):
+        for sm, o in zip(group, run.logprobs(old_model, pairs)):
             sm.old = o
         for sm, r in zip(group, run.logprobs(run.ref, pairs) if run.ref is not None else []):
             sm.ref = r
@@ -431,7 +434,7 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
                           run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
     fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
-    for j, lt in zip(fit, run.logprobs(run.scorer, [teach[j] for j in fit])):
+    for j, lt in zip(fit, run.logprobs(old_model, [teach[j] for j in fit])):
         kept[j].teacher = lt              # ℓ^T = log π_old(y | teacher prompt)
     for sm in samples:
         if sm.teacher is None:            # no teacher for this turn: λ = 0

@@ -31,6 +31,7 @@ import torch
 from harness import cpu_preset
 from harness.cpu_preset import is_tiny
 from infra import distributed as D
+from infra.env_backends import SHORT_TASK_TYPES
 
 
 # ---- The presets ---------------------------------------------------------------------------------------------
@@ -284,9 +285,9 @@ class Args:
         if self.dtype == "bfloat16" and not torch.cuda.is_available():
             bad("dtype", "bfloat16 is FSDP2 mixed precision on GPU, and torch sees none: "
                 f"{D.why_no_gpu()}. On CPU use auto or float32")
-        if self.sft_hold_out and (self.sft_hold_out not in cpu_preset.TASK_TYPES_SHORT or self.model != "tiny"
+        if self.sft_hold_out and (self.sft_hold_out not in SHORT_TASK_TYPES or self.model != "tiny"
                                   or self.env != "alfworld"):
-            bad("sft_hold_out", f"must be one of {', '.join(cpu_preset.TASK_TYPES_SHORT)}, with --model tiny and "
+            bad("sft_hold_out", f"must be one of {', '.join(SHORT_TASK_TYPES)}, with --model tiny and "
                 f"--env alfworld (the tiny preset's warm start), got {self.sft_hold_out!r}")
         if self.engine == "vllm" and not torch.cuda.is_available():
             bad("engine", "vllm needs CUDA GPUs (and pip install -r requirements-gpu.txt), and torch sees none: "

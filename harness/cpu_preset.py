@@ -256,7 +256,6 @@ def tool_action(action: str, task_type: str) -> bool:
 
 
 HOLD_OUT_MODES = ("teacher", "pure")
-TASK_TYPES_SHORT = tuple(TASK_TYPES.values())   # pick, look, clean, heat, cool, pick2
 
 
 def extractive_skill(actions: list[str]) -> str:

@@ -70,10 +70,6 @@ class Run:
     def stop_now(self) -> bool:           # this rank has seen SIGTERM: cut the current rollout or evaluation short
         return self.preempt is not None and self.preempt.seen
 
-    @property
-    def scorer(self):                     # π_old: the weights that sampled
-        return self.rollout_model if self.rollout_model is not None else self.model
-
     def logprobs(self, model, pairs):     # per-sample response log-probs under `model`, no grad
         return score_tokens(model, pairs, self.tok.pad_token_id, self.device, self.args.micro_batch,
                             self.args.micro_tokens)

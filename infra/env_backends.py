@@ -299,7 +299,7 @@ def _env_infos():
 
 
 def _make_loader():
-    _engine_class()  # installs the template memo before the first grammar derivation
+    engine_class()  # installs the template memo before the first grammar derivation
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
     from textworld.envs.pddl import PddlEnv
     return AlfredDemangler(PddlEnv(_env_infos()))
@@ -341,7 +341,7 @@ def _install_textgen_memo() -> None:
 
 
 @functools.cache
-def _engine_class():
+def engine_class():
     """textworld's PddlEnv taught to start episodes of cached games (built on first use, so that
     importing this module does not import textworld)."""
     from textworld.core import GameState
@@ -395,7 +395,7 @@ def _engine_class():
 def _make_engine():
     """A new engine: one live game state, in its own copy of Fast Downward's shared library (the
     library keeps one global state; `fast_downward.load_lib` copies the 33 MB file, ~0.1 s)."""
-    return _engine_class()(_env_infos())
+    return engine_class()(_env_infos())
 
 
 # =============================================================================================

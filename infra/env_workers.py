@@ -13,7 +13,7 @@ import traceback
 import weakref
 
 from infra import env_backends
-from infra.env_backends import GameCache, _engine_class
+from infra.env_backends import GameCache, engine_class
 
 
 def worker_main(conn, env_class: type, max_steps: int, memo_textgen: bool) -> None:
@@ -23,7 +23,7 @@ def worker_main(conn, env_class: type, max_steps: int, memo_textgen: bool) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and a scheduler's SIGTERM are the parent's business:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it finishes its step and closes the pool (harness/run.Preemption)
     env_backends.MEMO_TEXTGEN = memo_textgen
-    _engine_class()  # import textworld/alfworld now, so that start-up is not billed to a reset
+    engine_class()  # import textworld/alfworld now, so that start-up is not billed to a reset
     import alfworld.agents.environment.alfred_tw_env  # noqa: F401
     cache = GameCache()
     free: list = []

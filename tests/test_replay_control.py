@@ -126,7 +126,7 @@ def test_a_rule_failed_skill_scores_r_bad_and_a_task_without_a_skill_is_not_in_e
             T.TaskRecord("d", "clean", source=None, gain=args.r_bad)]                    # wrote no skill
     b = T.Batch([], [], [], [], recs)
     T.skill_metrics(run, b, recs)
-    T.skill_rewards(run, recs)
+    T.skill_advantages(run, recs)
     # Eq. (5) over a, b, c only: rewards 0.5, -1, -0.5 against their mean -1/3
     assert [r.skill_adv for r in recs[:3]] == pytest.approx([0.5 + 1 / 3, -1 + 1 / 3, -0.5 + 1 / 3])
     assert recs[3].skill_adv is None

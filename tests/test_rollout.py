@@ -83,7 +83,7 @@ def test_run_episodes_lockstep_on_real_engine(tiny):
         assert 1 <= len(e.turns) <= 3 and len(e.steps) == len(e.turns)
         assert e.error is None and e.task
         for t in e.turns:
-            assert len(t.loss_mask) == len(t.response_ids) > 0
+            assert len(t.sampler_logprobs) == len(t.response_ids) > 0
             assert t.invalid == (parse_action(t.response_text) is None)
             assert f"Your task is to: {e.task}" in t.prompt_text
     # N copies of a task start from the same state: identical first prompts within a group.

@@ -54,7 +54,7 @@ def test_group_advantages_two_groups_penalty_and_singleton():
     invalid = torch.tensor([False, True, False, False, False, False, False, False])
     gid = torch.tensor([7, 3, 7, 3, 7, 3, 7, 11])
     s = turn_scores(R, invalid, 0.1)  # [10, -0.1, 10, 0, 0, 0, 0, 10]
-    A = group_advantages(s, gid, eps=0.0)
+    A = group_advantages(s, gid, stabilizer=0.0)
     # group 7: s = [10,10,0,0], mean 5, dev ±5, unbiased var = 4*25/3 -> std = 10/sqrt(3)
     #   A = ±5/(10/sqrt 3) = ±sqrt(3)/2 = ±0.8660254
     h = math.sqrt(3) / 2

@@ -1,5 +1,5 @@
 """The RL step's sections on their own, each from hand-made episodes and records, each asserting the rule it
-implements: write_skills (Eq. 2), replay (Eq. 3-4), skill_rewards (Eq. 5), trust (Eq. 6-9), keep_skills
+implements: write_skills (Eq. 2), replay (Eq. 3-4), skill_advantages (Eq. 5), trust (Eq. 6-9), keep_skills
 (§2.10). tests/test_replay_control.py holds the source choice and the skill rule; test_train.py `score`."""
 import math
 import random
@@ -113,7 +113,7 @@ def test_a_replay_with_an_env_error_is_left_out_with_its_gain_at_r_bad():
     assert not rec.replay_ok and rec.gain == -1.0 and rec.skill == SKILL
 
 
-# ---- skill_rewards (Eq. 5) ---------------------------------------------------------------------------------
+# ---- skill_advantages (Eq. 5) ---------------------------------------------------------------------------------
 
 def _records(args) -> list[T.TaskRecord]:
     return [T.TaskRecord("a", "pick", source="won", skill="s", gain=0.6, replay_ok=True),
@@ -126,7 +126,7 @@ def _records(args) -> list[T.TaskRecord]:
 def test_skill_rewards_are_eq5_per_type_without_the_failed_replays():
     args = T.Args(algo="rsipo", group_size=2)
     run, recs = _run(args), _records(args)
-    T.skill_rewards(run, recs)
+    T.skill_advantages(run, recs)
     # pick: rewards 0.6, 0.2 and r_bad −1 (the invalid skill) against their mean −0.2/3; the failed replay has
     # no reward and no sample. heat: one task, so the baseline is its running mean before this step, 0.
     pick = (0.6 + 0.2 - 1.0) / 3
@@ -193,7 +193,7 @@ def test_the_bank_keeps_replayed_skills_whose_shrunk_gain_is_positive():
     ("gigpo", ["rollout_and_advantages", "score", "update", "sync_weights", "step_row"]),
     ("opsd", ["rollout_and_advantages", "write_skills", "share_records", "skill_metrics", "trust(replayed=False)",
               "score", "update(use_teacher=True)", "sync_weights", "step_row"]),
-    ("rsipo", ["rollout_and_advantages", "write_skills", "replay", "share_records", "skill_metrics", "skill_rewards",
+    ("rsipo", ["rollout_and_advantages", "write_skills", "replay", "share_records", "skill_metrics", "skill_advantages",
                "trust(replayed=True)", "keep_skills", "score", "update(use_teacher=True)", "sync_weights", "step_row"]),
 ])
 def test_rl_step_alone_decides_which_sections_run(monkeypatch, algo, sections):
@@ -205,7 +205,7 @@ def test_rl_step_alone_decides_which_sections_run(monkeypatch, algo, sections):
             called.append(f"{name}({flags})" if flags else name)
             return result
         return section
-    for name in ("write_skills", "replay", "skill_metrics", "skill_rewards", "trust", "keep_skills", "sync_weights"):
+    for name in ("write_skills", "replay", "skill_metrics", "skill_advantages", "trust", "keep_skills", "sync_weights"):
         monkeypatch.setattr(T, name, spy(name))
     monkeypatch.setattr(T, "rollout_and_advantages", spy("rollout_and_advantages", T.Batch([], [], [], [], [])))
     monkeypatch.setattr(T, "share_records", spy("share_records", []))

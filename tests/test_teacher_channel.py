@@ -48,7 +48,7 @@ def test_teacher_gaps_split_tool_actions_from_the_rest():
     run = Run(T.Args(), Path("."), torch.device("cpu"), None, [], Pool(), tool_action=cpu_preset.tool_action)
 
     def sample(action, teacher, old):
-        turn = Turn([1], [2, 3], [1, 1], [], False, "g", "clean", 0, 0, 0,
+        turn = Turn([1], [2, 3], [], False, "g", "clean", 0, 0, 0,
                     response_text=f"<think> </think> <action> {action} </action>")
         return T.Sample([1], [2, 3], 0.0, torch.tensor(old), teacher=torch.tensor(teacher), turn=turn)
     gaps = T.teacher_gaps(run, [sample("go to sinkbasin 1", [-1.0, -0.5], [-2.0, -1.5]),     # +1, +1

@@ -16,7 +16,7 @@ import train as T  # noqa: E402
 from infra import distributed as D  # noqa: E402
 import rollout as R  # noqa: E402
 from harness import cpu_preset  # noqa: E402
-from harness import run as harness_run, sft as harness_sft, trust_check  # noqa: E402
+from harness import calibration, run as harness_run, sft as harness_sft  # noqa: E402
 
 TINY = ["--sft_steps", "40", "--steps", "2", "--tasks_per_step", "2", "--group_size", "2",
         "--eval_games", "2", "--max_turns", "4", "--mini_batch", "8", "--micro_batch", "4",
@@ -154,9 +154,9 @@ def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
                 T.TaskRecord(g[1], "pick"),                                   # no skill: nothing to check
                 T.TaskRecord(g[2], "pick", skill="open the fridge.", replay_ok=True, posterior={"eb": 0.2, "raw": 0.1})]
         b = T.Batch([{run.pool.task_key: x} for x in g], [], [], [], recs)
-        real = trust_check.run_episodes
-        monkeypatch.setattr(trust_check, "run_episodes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
-        trust_check.calibrate(run, b, step=4)
+        real = calibration.run_episodes
+        monkeypatch.setattr(calibration, "run_episodes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+        calibration.calibrate(run, b, step=4)
     finally:
         T.teardown(run)
     eps = seen[0]   # tasks 0 and 2 with their skill, 2 episodes each, then the same tasks without one
@@ -214,7 +214,7 @@ def test_torchrun_two_cpu_ranks(tmp_path, algo):
     # otherwise all-failed groups a policy gradient on some ranks and steps and not on others; on data/alfworld's
     # six types, where it does: on the default's clean games a 40-step warm start's groups are all alike)
     flags = TINY + ["--drop_zero_adv", "true", "--c_kl", "0.01", "--constrained", "false",
-                    "--data_root", "data/alfworld"] if algo == "grpo" else TINY
+                    "--preset", "none", "--data_root", "data/alfworld"] if algo == "grpo" else TINY
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(29533 + (algo == "rsipo")), str(ROOT / "train.py"), *flags, "--env_workers", "1", "--algo", algo,
            "--out_dir", str(tmp_path), "--run_name", "ddp"]
@@ -497,7 +497,8 @@ def test_gigpo_run_end_to_end_single_process(tmp_path):
 def test_path_flags_expand_home_and_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("RSIPO_TEST_DATA", "/data/x")
-    a = T.parse_args(["--data_root", "~/.cache/alfworld", "--out_dir", "$RSIPO_TEST_DATA/runs", "--sft_walkthroughs", ""])
+    a = T.parse_args(["--data_root", "~/.cache/alfworld", "--out_dir", "$RSIPO_TEST_DATA/runs", "--sft_walkthroughs", "",
+                      "--sft_rl_games", "true"])   # the default run clones no RL game: it would have nothing
     assert a.data_root == str(tmp_path / ".cache/alfworld") and a.out_dir == "/data/x/runs"
     assert a.run_name == "default"                                   # not a path: left as given
 
