@@ -182,3 +182,55 @@ def test_every_project_path_the_documents_name_exists(doc):
     missing = [p for p in sorted(paths) if not any((ROOT / d / p).exists() or (ROOT / d / p).with_suffix(".py").exists()
                                                    for d in (where if "/" not in p else [""]))]
     assert not missing, missing
+
+
+def current_chains() -> list[list[str]]:
+    """The commands of RESULTS.md's current-results chains: continuation lines joined, comments dropped, a
+    `for S in ...; do CMD; done` loop as its CMD with S = its first value."""
+    import shlex
+    text = (ROOT / "RESULTS.md").read_text()
+    block = text.split("## Current results", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    cmds = []
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        loop = re.fullmatch(r"for (\w+) in (\S+)[^;]*; do (.*); done", line)
+        if loop:
+            line = loop.group(3).replace("$" + loop.group(1), loop.group(2))
+        cmds.append(shlex.split(line))
+    return cmds
+
+
+class Parsed(Exception):
+    """Raised where a script has parsed its command line: the rest (the runs) is not what is checked."""
+
+
+def test_every_current_results_chain_parses_as_written(monkeypatch):
+    """Each command of the chains names an existing script, and its flags parse: train.py's with every check
+    of a config (harness.config.parse_args), a script's own with its parser, and flags passed on to train.py
+    after `--` with train.py's."""
+    import argparse
+    from harness import config
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    real_parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        real_parse(self, args, namespace)
+        raise Parsed()
+    cmds = current_chains()
+    assert len(cmds) >= 8 and {c[1] for c in cmds} >= {"train.py", "scripts/compare.py"}
+    for cmd in cmds:
+        assert cmd[0] == "python" and (ROOT / cmd[1]).is_file(), cmd
+        if cmd[1] == "train.py":
+            config.parse_args(cmd[2:])
+            continue
+        extra = cmd[cmd.index("--") + 1:] if "--" in cmd else []
+        if extra:
+            config.parse_args(extra)
+        module = importlib.import_module(Path(cmd[1]).stem)
+        with monkeypatch.context() as m:
+            m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+            with pytest.raises(Parsed):
+                module.main(cmd[2:])
