@@ -250,6 +250,11 @@ _TASK_TEMPLATES = [re.compile(p) for p in (
     r"^examine the (?P<obj>[a-z0-9]+) with the (?P<target>[a-z0-9]+)\.?$")]
 
 
+def format_action(action: str) -> str:
+    """The whole response that takes `action` (what constrained decoding allows, and the warm start's target)."""
+    return f"<think> </think> <action> {action} </action>"
+
+
 def task_terms(task: str) -> tuple[str, ...]:
     """The object and the target an ALFWorld task sentence names ("put a clean apple in fridge." → (apple,
     fridge)), or () for a sentence of no known template: the words a skill for the task must name under the
@@ -303,6 +308,7 @@ class EnvPool:
     stop_texts = ("</action>",)
     build_prompt = staticmethod(build_prompt)
     parse_action = staticmethod(parse_action)
+    format_action = staticmethod(format_action)
     task_terms = staticmethod(task_terms)
 
     def __init__(self, num_workers: int = 2, max_steps: int = 50, step_timeout: float = 30.0,

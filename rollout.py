@@ -16,11 +16,13 @@ Contract
 * `run_episodes` plays N episodes per task from the same initial state in lock-step: one batched
   generate for every still-active episode per turn, one batched step of the env pool. The env
   family is the pool's business: it supplies `task_key`, `build_prompt`, `parse_action` and
-  `task_prefix` (envs.EnvPool: ALFWorld; envs.SearchPool: search QA), so the loop is env-agnostic.
+  `task_prefix`, and for constrained decoding `format_action` (envs.EnvPool: ALFWorld; envs.SearchPool:
+  search QA), so the loop is env-agnostic.
 
 Choices, all **[ours]**:
-1. `allowed_actions` decoding (off by default; on only in the tiny CPU preset): generation is
-   limited to token sequences `<think> </think> <action> {an admissible action} </action>`. This
+1. Constrained decoding, `allowed_responses` (off by default; on only in the tiny CPU preset): generation
+   is limited to the token sequences of the given responses, in `run_episodes` the pool's
+   `format_action` of each admissible action (ALFWorld: `<think> </think> <action> {action} </action>`). This
    departs from the paper's free decoding; it makes a 0.5 M-parameter model learnable in minutes.
    The trainer still scores the sampled tokens under the unconstrained policy.
 2. A response with no parsable action is sent to the env as an empty command ("Nothing happens.",
@@ -235,25 +237,22 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], temperature: Optional[float] = None, greedy: bool = False,
-                 allowed_actions: Optional[list[list[str]]] = None, max_new_tokens: Optional[int] = None,
+                 allowed_responses: Optional[list[list[str]]] = None, max_new_tokens: Optional[int] = None,
                  stop: bool = True, batch_size: int = 64, seeds: Optional[list[int]] = None) -> list[Generation]:
         """`seeds` (one per prompt) is accepted for the vLLM engine's interface and not used: HF `generate`
         draws a batch's samples from one generator (`evaluate` seeds it for common random numbers)."""
         out: list[Generation] = []
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
-            allow = allowed_actions[i:i + batch_size] if allowed_actions is not None else None
+            allow = allowed_responses[i:i + batch_size] if allowed_responses is not None else None
             out += self._generate(chunk, temperature, greedy, allow, max_new_tokens, stop)
         return out
 
-    def _generate(self, prompts, temperature, greedy, allowed_actions, max_new_tokens, stop):
+    def _generate(self, prompts, temperature, greedy, allowed_responses, max_new_tokens, stop):
         temperature = self.temperature if temperature is None else temperature
         greedy = greedy or temperature <= 0
         ids = [self.encode(p) for p in prompts]
-        too_long = [len(x) for x in ids if len(x) > self.max_prompt_tokens]
-        if too_long:
-            raise ValueError(f"a prompt of {too_long[0]} tokens exceeds --max_prompt_tokens {self.max_prompt_tokens} "
-                             "(callers fit prompts by dropping history: rollout.fit_prompt)")
+        refuse_long_prompts(ids, self.max_prompt_tokens)
         L = max(len(x) for x in ids)
         input_ids = torch.full((len(ids), L), self.pad_id, dtype=torch.long)         # [B, L] left-padded
         attn = torch.zeros((len(ids), L), dtype=torch.long)
@@ -268,12 +267,9 @@ class HFEngine:
                                        pad_token_id=self.pad_id, eos_token_id=eos,
                                        stop_strings=self.stop_texts if multi else None)
         kw = {"logits_processor": [sampler], **({"tokenizer": self.tok} if multi else {})}
-        if allowed_actions is not None:
-            tries = []
-            for acts in allowed_actions:
-                seqs = [self.tok.encode(f"<think> </think> <action> {a} {STOP_TEXT}", add_special_tokens=False)
-                        for a in acts]
-                tries.append(_PrefixTrie(seqs, self.tok.eos_token_id))
+        if allowed_responses is not None:     # each prompt's whole responses: a trie of their tokens
+            tries = [_PrefixTrie([self.tok.encode(r, add_special_tokens=False) for r in responses],
+                                 self.tok.eos_token_id) for responses in allowed_responses]
             kw["prefix_allowed_tokens_fn"] = lambda b, seq: tries[b].allowed(seq[L:].tolist())
         was_training, saved = self.model.training, self.model.generation_config
         self.model.eval()
@@ -286,7 +282,7 @@ class HFEngine:
             self.model.train(was_training)
         lp = sampler.logprobs(seqs)                                                  # [B, T]
         seqs = seqs.cpu()
-        free = not greedy and temperature == 1.0 and self.top_p >= 1.0 and allowed_actions is None
+        free = not greedy and temperature == 1.0 and self.top_p >= 1.0 and allowed_responses is None
         decode = lambda t: self.tok.decode(t, skip_special_tokens=False)             # noqa: E731
         gens = []
         for b in range(len(prompts)):
@@ -314,6 +310,15 @@ def fit_prompt(build: Callable[[int], str], n_max: int, count: Callable[[str], i
         else:
             hi = mid - 1
     return build(lo)
+
+
+def refuse_long_prompts(ids: list[list[int]], max_prompt_tokens: int):
+    """Both engines' one check of their input: a prompt over the budget is a caller's error, never cut here (a
+    prompt cut from the left loses its task line)."""
+    too_long = [len(x) for x in ids if len(x) > max_prompt_tokens]
+    if too_long:
+        raise ValueError(f"a prompt of {too_long[0]} tokens exceeds --max_prompt_tokens {max_prompt_tokens} "
+                         "(callers fit prompts by dropping history: rollout.fit_prompt)")
 
 
 def request_seed(seed: int, task_id: str, copy: int, turn: int) -> int:
@@ -371,7 +376,8 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
             prompts.append(p)
         seeds = [request_seed(seed, gamefiles[i], i % n_per_task, step) for i in idx] if seed is not None else None
         gens = engine.generate(prompts, temperature=temperature, greedy=greedy,
-                               allowed_actions=[adm[i] for i in idx] if constrained else None,
+                               allowed_responses=[[pool.format_action(x) for x in adm[i]] for i in idx]
+                               if constrained else None,
                                seeds=seeds) if prompts else []
         for i, p, g in zip(idx, prompts, gens):
             act = parse(g.text)

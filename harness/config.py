@@ -294,6 +294,8 @@ class Args:
                 f"{D.why_no_gpu()}. On CPU use --engine hf")
         if self.engine == "vllm" and self.model == "tiny":
             bad("engine", "vllm loads a checkpoint: give --model an HF name or path (the tiny preset is CPU-only)")
+        if self.env == "search" and self.constrained:
+            bad("constrained", "decodes ALFWorld's admissible actions; search QA has none: use --constrained false")
         if self.engine == "vllm" and self.constrained:
             bad("constrained", "is an HF-engine feature of the tiny CPU preset; use --constrained false with "
                 "--engine vllm")

@@ -346,7 +346,7 @@ def _acting_samples(task: str, steps: list[dict], history_len: int, skill: str |
             break
         adm = [a for a in s["admissible"] if a != "help"]
         prompt = build_prompt(task, s["obs"], adm, hist, history_len=history_len)
-        response = f"<think> </think> <action> {s['action']} </action>"
+        response = envs.format_action(s["action"])
         out.append((prompt, response))
         if skill:
             out.append((insert_skill(prompt, skill, TASK_PREFIX + task), response))

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from rollout import STOP_TEXT, Generation, HFEngine, response_end
+from rollout import STOP_TEXT, Generation, HFEngine, refuse_long_prompts, response_end
 
 VLLM_VERSION = "0.32.0"   # the release whose internals VLLMEngine._worker / close were checked against
 
@@ -57,7 +57,7 @@ class VLLMEngine:
       destroys its own process groups and torch's default one; after it `dist.is_initialized()` is False).
 
     Choices, all **[ours]**:
-    1. `allowed_actions` (constrained decoding, the tiny CPU preset's feature) raises ValueError.
+    1. `allowed_responses` (constrained decoding, the tiny CPU preset's feature) raises ValueError.
     2. `batch_size` is accepted and ignored: vLLM schedules the whole list itself.
     3. A request's `max_tokens` is clamped to `max_model_len - len(prompt)` (never above what was asked).
 
@@ -121,12 +121,12 @@ class VLLMEngine:
         return self._SamplingParams(**kw)
 
     def generate(self, prompts: list[str], temperature: Optional[float] = None, greedy: bool = False,
-                 allowed_actions: Optional[list[list[str]]] = None, max_new_tokens: Optional[int] = None,
+                 allowed_responses: Optional[list[list[str]]] = None, max_new_tokens: Optional[int] = None,
                  stop: bool = True, batch_size: int = 64, seeds: Optional[list[int]] = None) -> list[Generation]:
         """`seeds`: one sampling seed per prompt (vLLM then samples that request from its own generator), or
         None: the engine's own stream, as in training."""
-        if allowed_actions is not None:
-            raise ValueError("VLLMEngine has no constrained decoding (allowed_actions): it is a feature of the "
+        if allowed_responses is not None:
+            raise ValueError("VLLMEngine has no constrained decoding (allowed_responses): it is a feature of the "
                              "tiny CPU preset's HFEngine; run with --constrained false")
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate after close()")
@@ -136,10 +136,7 @@ class VLLMEngine:
         greedy = greedy or temperature <= 0
         want = max_new_tokens or self.max_new_tokens
         ids = [self.encode(p) for p in prompts]
-        too_long = [len(x) for x in ids if len(x) > self.max_prompt_tokens]
-        if too_long:
-            raise ValueError(f"a prompt of {too_long[0]} tokens exceeds --max_prompt_tokens {self.max_prompt_tokens} "
-                             "(callers fit prompts by dropping history: rollout.fit_prompt)")
+        refuse_long_prompts(ids, self.max_prompt_tokens)
         seeds = seeds if seeds is not None else [None] * len(ids)
         params = [self._sampling_params(min(want, self.max_model_len - len(x)), temperature, greedy, stop, s)
                   for x, s in zip(ids, seeds)]

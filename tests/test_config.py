@@ -25,6 +25,8 @@ def test_the_default_run_is_the_heldout_preset_and_preset_none_keeps_the_tiny_on
     assert config.parse_args(["--preset", "none"]).constrained is True                 # the tiny preset's
     with pytest.raises(SystemExit, match="--preset"):
         config.parse_args(["--preset", "clean"])
+    with pytest.raises(SystemExit, match="--constrained"):
+        config.parse_args(["--env", "search", "--constrained", "true"])
 
 
 def test_no_preset_depends_on_where_the_data_lies(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from harness import cpu_preset  # noqa: E402
 import train as T  # noqa: E402
 import rollout as R  # noqa: E402
 import envs  # noqa: E402
-from envs import build_prompt, parse_action  # noqa: E402
+from envs import build_prompt, format_action, parse_action  # noqa: E402
 from rollout import HFEngine, chat_ids, fit_prompt, response_end  # noqa: E402
 from skills import analyzer_prompt, insert_skill, parse_skill, skill_token_budget  # noqa: E402
 
@@ -86,7 +86,7 @@ def test_engine_responses_hold_no_padding_and_decode_to_the_parsed_text(qtok, ti
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32)
     eng = HFEngine(model, qtok, max_new_tokens=40)
     acts = [["look"], ["take the mug 1 from the countertop 12 and then go to the cabinet 3"]]
-    gens = eng.generate(["a", "b"], allowed_actions=acts)
+    gens = eng.generate(["a", "b"], allowed_responses=[[format_action(a) for a in x] for x in acts])
     for g, a in zip(gens, acts):
         assert QWEN_PAD not in g.token_ids and QWEN_EOS not in g.token_ids
         assert g.text == qtok.decode(g.token_ids, skip_special_tokens=False)

@@ -13,7 +13,7 @@ import train as T  # noqa: E402
 import rollout as R  # noqa: E402
 from harness import cpu_preset  # noqa: E402
 from infra.env_backends import list_games  # noqa: E402
-from envs import EnvPool, parse_action  # noqa: E402
+from envs import EnvPool, format_action, parse_action  # noqa: E402
 from rollout import HFEngine, run_episodes, chat_ids, _PrefixTrie  # noqa: E402
 
 DATA = str(ROOT / "data" / "alfworld")
@@ -64,7 +64,7 @@ def test_constrained_decoding_yields_admissible_actions(tiny):
     eng = HFEngine(model, tok, max_new_tokens=24, temperature=1.0)
     acts = [["go to desk 1", "go to bed 1", "look"], ["inventory"]]
     torch.manual_seed(1)
-    gens = eng.generate(["a", "b"], allowed_actions=acts)
+    gens = eng.generate(["a", "b"], allowed_responses=[[format_action(a) for a in x] for x in acts])
     for g, allowed in zip(gens, acts):
         assert parse_action(g.text) in allowed
         assert g.token_ids[-1] == tok.convert_tokens_to_ids("</action>")  # stopped at the action end

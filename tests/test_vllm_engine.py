@@ -254,10 +254,10 @@ def test_prompt_token_ids_are_our_chat_template_and_a_long_prompt_is_an_error(fa
         eng.generate([long])
 
 
-def test_allowed_actions_is_a_clear_error(fake_vllm, tok):
+def test_allowed_responses_is_a_clear_error(fake_vllm, tok):
     eng = make(tok)
     with pytest.raises(ValueError, match="constrained"):
-        eng.generate(["go"], allowed_actions=[["go to desk 1"]])
+        eng.generate(["go"], allowed_responses=[["<think> </think> <action> go to desk 1 </action>"]])
 
 
 # ------------------------------------------------------------------------------------------------
