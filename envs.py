@@ -51,15 +51,12 @@ Test: tests/test_envs.py, tests/test_search.py; speed: scripts/bench_env.py, scr
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
 import string
-import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait as mp_wait
 
-from infra.env_workers import LIVE_POOLS, Worker, wait_ready
+from infra.env_workers import WorkerPool
 from infra.env_backends import (BM25Retriever, EnvDataError, GameCache, HTTPRetriever, RetrieverError, RetrieverTimeout,
                                 _Game, _make_engine, call_with_timeout, game_task_type, list_games, list_qa,
                                 process_cache)
@@ -126,6 +123,12 @@ class AlfWorldEnv:
         self.steps = 0
         self.won = False
         self.done = True
+
+    @staticmethod
+    def blank_info(gamefile: str) -> dict:
+        """The info of an episode that has not started, or could not (the pool's, before a reset answers)."""
+        return {"won": False, "task_type": None, "task": None, "admissible": [], "gamefile": gamefile, "steps": 0,
+                "truncated": False, "invalid_action": False, "error": None}
 
     def _info(self, *, truncated=False, invalid_action=False) -> dict:
         game = self._game
@@ -278,7 +281,7 @@ def names_task(skill: str, terms) -> bool:
 # Worker pool
 
 
-class EnvPool:
+class EnvPool(WorkerPool):
     """Episodes of AlfWorldEnv stepped in lock-step by `num_workers` worker processes.
 
     `reset(gamefiles)` starts one episode per entry, each in its own env inside a worker: episode i
@@ -314,175 +317,7 @@ class EnvPool:
     def __init__(self, num_workers: int = 2, max_steps: int = 50, step_timeout: float = 30.0,
                  reset_timeout: float = 120.0, start_timeout: float = 120.0,
                  env_class: type[AlfWorldEnv] = AlfWorldEnv):
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        self.num_workers, self.max_steps = num_workers, max_steps
-        self.step_timeout, self.reset_timeout, self.start_timeout = step_timeout, reset_timeout, start_timeout
-        self.env_class = env_class
-        self._ctx = mp.get_context("spawn")
-        self.stats = {"errors": 0, "crashes": 0, "timeouts": 0, "restarts": 0}
-        self._closed = False
-        self._workers: list[Worker] = []
-        self._infos: list[dict] = []  # last info of each episode of the batch
-        self.active: list[bool] = []
-        LIVE_POOLS.add(self)
-        try:
-            self._workers = [self._start_worker() for _ in range(num_workers)]
-            self._wait_ready(self._workers)
-        except BaseException:
-            self.close()
-            raise
-
-    # -- worker management
-    def _start_worker(self) -> Worker:
-        return Worker(self._ctx, self.env_class, self.max_steps)
-
-    def _wait_ready(self, workers: list[Worker]) -> None:
-        wait_ready(workers, self.start_timeout)
-
-    def _restart(self, k: int) -> None:
-        self._workers[k].kill()
-        self._workers[k] = self._start_worker()
-        self.stats["restarts"] += 1
-        self._wait_ready([self._workers[k]])
-
-    @property
-    def pids(self) -> list[int]:
-        return [w.proc.pid for w in self._workers]
-
-    def _exchange(self, messages: dict[int, tuple], timeout: float) -> dict[int, list | str]:
-        """Send one message to each listed worker, collect the replies in parallel.
-        Returns worker -> list of (slot, result, error) or the failure string."""
-        replies: dict[int, list | str] = {}
-        pending: dict = {}
-        for k, msg in messages.items():
-            try:
-                self._workers[k].conn.send(msg)
-                pending[self._workers[k].conn] = k
-            except (OSError, ValueError):  # broken pipe: the worker is gone
-                replies[k] = "worker crashed"
-        deadline = time.monotonic() + timeout
-        while pending:
-            left = deadline - time.monotonic()
-            ready = mp_wait(list(pending), timeout=max(left, 0)) if left > 0 else []
-            if not ready:
-                for conn, k in pending.items():
-                    replies[k] = "timeout"
-                break
-            for conn in ready:
-                k = pending.pop(conn)
-                try:
-                    kind, payload = conn.recv()
-                    replies[k] = payload if kind == "ok" else "worker crashed"
-                except (EOFError, OSError):
-                    replies[k] = "worker crashed"
-        for k, reply in replies.items():
-            if isinstance(reply, str):
-                self.stats["crashes" if reply == "worker crashed" else "timeouts"] += 1
-                self._restart(k)
-        return replies
-
-    def _fail(self, i: int, error: str) -> tuple[str, float, bool, dict]:
-        info = dict(self._infos[i], won=False, truncated=False, invalid_action=False, error=error,
-                    admissible=[])
-        self._infos[i] = info
-        self.active[i] = False
-        self.stats["errors"] += 1
-        return "", 0.0, True, info
-
-    # -- episodes
-    def reset(self, gamefiles: list[str]) -> list[tuple[str, dict]]:
-        """Start one episode per gamefile (copies of a game are independent episodes)."""
-        self._check_open()
-        n = len(gamefiles)
-        self._infos = [{"won": False, "task_type": None, "task": None, "admissible": [], "gamefile": g,
-                        "steps": 0, "truncated": False, "invalid_action": False, "error": None}
-                       for g in gamefiles]
-        self.active = [False] * n
-        messages = {k: ("reset", [(i, gamefiles[i]) for i in range(k, n, self.num_workers)])
-                    for k in range(self.num_workers)}
-        replies = self._exchange(messages, self.reset_timeout)
-        out: list = [None] * n
-        for k, reply in replies.items():
-            if isinstance(reply, str):
-                for i in range(k, n, self.num_workers):
-                    obs, _, _, info = self._fail(i, reply)
-                    out[i] = (obs, info)
-                continue
-            for i, result, error in reply:
-                if error is not None:
-                    obs, _, _, info = self._fail(i, error)
-                    out[i] = (obs, info)
-                else:
-                    obs, info = result
-                    self._infos[i], self.active[i] = info, True
-                    out[i] = (obs, info)
-        return out
-
-    def step(self, actions: list) -> list:
-        """One action per episode (ignored for inactive ones); None for episodes that are over."""
-        self._check_open()
-        if len(actions) != len(self.active):
-            raise ValueError(f"EnvPool.step got {len(actions)} actions for {len(self.active)} episodes")
-        messages = {}
-        for k in range(self.num_workers):
-            batch = [(i, actions[i]) for i in range(k, len(actions), self.num_workers) if self.active[i]]
-            if batch:
-                messages[k] = ("step", batch)
-        replies = self._exchange(messages, self.step_timeout)
-        out: list = [None] * len(actions)
-        for k, reply in replies.items():
-            if isinstance(reply, str):
-                for i, _ in messages[k][1]:
-                    self._infos[i]["steps"] += 1
-                    out[i] = self._fail(i, reply)
-                continue
-            for i, result, error in reply:
-                if error is not None:
-                    self._infos[i]["steps"] += 1
-                    out[i] = self._fail(i, error)
-                    continue
-                obs, reward, done, info = result
-                self._infos[i] = info
-                self.active[i] = not done
-                out[i] = (obs, reward, done, info)
-        return out
-
-    # -- shutdown
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("EnvPool is closed")
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop all workers: ask, wait up to `timeout`, then terminate/kill. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for w in self._workers:
-            try:
-                w.conn.send(("close", None))
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + timeout
-        for w in self._workers:
-            w.proc.join(timeout=max(deadline - time.monotonic(), 0.1))
-            if w.proc.is_alive():
-                w.proc.terminate()
-                w.proc.join(timeout=1)
-            w.kill()
-        LIVE_POOLS.discard(self)
-
-    def __enter__(self) -> "EnvPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close(timeout=1.0)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        super().__init__(env_class, num_workers, max_steps, step_timeout, reset_timeout, start_timeout)
 
 
 # =============================================================================================
