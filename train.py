@@ -258,7 +258,7 @@ def write_skills(run: Run, b: Batch):
         if not todo:
             break
         gens = run.engine.generate([prompts[k] for k in todo], temperature=a.skill_temperature,
-                                   max_new_tokens=a.skill_max_tokens, stop=False)
+                                   max_new_tokens=run.skill_max_tokens, stop=False)
         for k, gen in zip(todo, gens):
             rec = b.records[k]
             skill = parse_skill(gen.text, a.skill_max_words)

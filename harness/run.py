@@ -58,6 +58,7 @@ class Run:
     summary: dict = field(default_factory=dict)
     start: int = 0                        # the first RL step to run (a resumed run's checkpoint step)
     env_steps: int = 0                    # env steps spent so far, all ranks (rollouts and replays)
+    skill_max_tokens: int = 0             # the skill-writing budget in tokens (build_policy)
     skill_reserve: int = 0                # prompt tokens kept free for the teacher's skill line
     episodes: dict = field(default_factory=dict)      # the latest won and lost episode, for the report
     phases: Any = field(default_factory=lambda: Timer())   # the run's phases outside the steps (sft, eval, save)
@@ -297,9 +298,11 @@ def build_policy(run: "Run"):
     run.model_path = resolve_model(a)
     run.model, run.tok = load_model_and_tokenizer(
         a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool), run.model_path, run.device)
-    if not a.skill_max_tokens:            # [ours] room for the longest skill parse_skill accepts
-        a.skill_max_tokens = skill_token_budget(lambda t: run.tok.encode(t, add_special_tokens=False),
-                                                a.skill_max_words)
+    # [ours] the skill-writing budget: --skill_max_tokens, or room for the longest skill parse_skill accepts
+    run.skill_max_tokens = a.skill_max_tokens or skill_token_budget(
+        lambda t: run.tok.encode(t, add_special_tokens=False), a.skill_max_words)
+    if not a.skill_max_tokens:
+        print0(f"skill-writing budget: {run.skill_max_tokens} tokens (from the tokenizer, skill_token_budget)")
     run.summary["config"] = dataclasses.asdict(a)
     print0("config (resolved; also in config.json):\n" + "\n".join(
         "  " + "  ".join(f"--{k} {v}" for k, v in chunk) for chunk in _chunks(list(dataclasses.asdict(a).items()), 6)))
@@ -314,7 +317,7 @@ def build_policy(run: "Run"):
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
               max_prompt_tokens=a.max_prompt_tokens, stop_texts=list(run.pool.stop_texts))
     if a.engine == "vllm":                # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores π_old
-        max_model_len = a.max_prompt_tokens + max(a.max_new_tokens, a.skill_max_tokens)
+        max_model_len = a.max_prompt_tokens + max(a.max_new_tokens, run.skill_max_tokens)
         run.engine = VLLMEngine(run.model_path, run.tok, max_model_len=max_model_len,
                                 seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization,
                                 sleep_level=a.vllm_sleep_level, **kw)
@@ -327,7 +330,7 @@ def build_policy(run: "Run"):
             p.requires_grad_(False)
         run.engine = HFEngine(run.rollout_model, run.tok, **kw)
     # student prompts of opsd/rsipo leave room for the skill line the teacher inserts later
-    run.skill_reserve = 0 if not a.uses_skills else run.engine.prompt_len(SKILL_PREFIX + "[]") + a.skill_max_tokens
+    run.skill_reserve = 0 if not a.uses_skills else run.engine.prompt_len(SKILL_PREFIX + "[]") + run.skill_max_tokens
 
 
 def _chunks(xs: list, n: int):
