@@ -466,6 +466,12 @@ class SearchEnv:
         self.task, self.turns, self.searches, self.done, self.won = task, 0, 0, False, False
         return "", self._info()
 
+    @staticmethod
+    def blank_info(task_id: str) -> dict:
+        """The info of an episode that has not started, or could not."""
+        return {"won": False, "task_type": None, "task": None, "id": task_id, "admissible": [], "steps": 0,
+                "truncated": False, "invalid_action": False, "error": None}
+
     def _info(self, **kw) -> dict:
         t = self.task
         info = {"won": self.won, "task_type": t["task_type"], "task": t["question"], "id": t["id"],
@@ -558,9 +564,7 @@ class SearchPool:
             env = SearchEnv(self.retriever, self.tasks, self.max_turns, self.top_k, self.timeout)
             if tid not in self.tasks:
                 self.stats["errors"] += 1
-                info = {"won": False, "task_type": None, "task": None, "id": tid, "admissible": [],
-                        "steps": 0, "truncated": False, "invalid_action": False,
-                        "error": f"EnvDataError: unknown question id {tid!r}"}
+                info = dict(SearchEnv.blank_info(tid), error=f"EnvDataError: unknown question id {tid!r}")
                 self.envs.append(env)
                 self.active.append(False)
                 out.append(("", info))

@@ -82,11 +82,11 @@ class TaskRecord:
                                           # ("generic": --teacher_skill generic); None = no skill written
     skill: Optional[str] = None           # Eq. (2): the parsed skill; None when invalid or not written
     rule_failed: bool = False             # the last answer parsed but broke the skill rule (--skill_rule)
-    gain: float = 0.0                     # g_q, Eq. (3); r_bad until a replay measures it
+    gain: Optional[float] = None          # g_q, Eq. (3); None until a replay measures it
     var: float = 0.0                      # v_q, Eq. (4)
     replay_ok: bool = False               # a valid skill whose replays ran without env errors
     informative: bool = True              # replays and control did not all win, or all lose
-    shrunk: float = 0.0                   # ĝ_q, Eq. (8)
+    shrunk: float = 0.0                   # ĝ_q, Eq. (8), of a replayed skill
     trust: float = 0.0                    # λ_q, Eq. (9); 0 = no teacher signal for the task's turns
     skill_adv: Optional[float] = None     # A^skill_q, Eq. (5); None = no skill sample
     facts: Optional[dict] = None          # [ours] what the skill gets right about its game (Run.skill_facts)
@@ -185,8 +185,7 @@ def rollout_and_advantages(run: Run) -> Batch:
         G = rsipo.step_returns(r, torch.tensor([tr.episode_id for tr in turns]), a.step_gamma)   # [T]
         adv = adv + a.step_adv * rsipo.step_advantages(G, aid).to(adv.dtype)
         metrics["gigpo/anchored_frac"] = float((torch.bincount(aid)[aid] > 1).float().mean())
-    records = [TaskRecord(t[run.pool.task_key], group[0].task_type, gain=a.r_bad)
-               for t, group in zip(tasks, by_task(eps, N))]
+    records = [TaskRecord(t[run.pool.task_key], group[0].task_type) for t, group in zip(tasks, by_task(eps, N))]
     return Batch(tasks, eps, turns, adv.tolist(), records, metrics=metrics)
 
 
@@ -308,8 +307,10 @@ def share_records(b: Batch) -> list[TaskRecord]:
 
 
 def skill_reward(r: TaskRecord, r_bad: float) -> float:
-    """Eq. (5)'s g̃ of a task that wrote a skill: its replay gain, or r_bad for an invalid skill."""
-    return r.gain if r.skill else r_bad
+    """Eq. (5)'s g̃ of a task that wrote a skill: its replay gain, or r_bad for an invalid skill (and, in the
+    metrics only, for a valid one without a measured gain: never replayed, or its replay failed). The one
+    place r_bad stands in for a gain."""
+    return r.gain if r.skill is not None and r.gain is not None else r_bad
 
 
 def skill_advantages(run: Run, recs: list[TaskRecord]):
@@ -358,13 +359,15 @@ def trust(run: Run, b: Batch, recs: list[TaskRecord], replayed: bool):
     gain and λ also by the outcome of the skill's source episode."""
     a, m = run.args, b.metrics
     ok = [i for i, r in enumerate(recs) if r.replay_ok]
-    lam, shrunk = np.zeros(len(recs)), np.array([r.gain for r in recs], dtype=float)
+    lam = np.zeros(len(recs))
     if not replayed:
         lam[ok] = 1.0                     # the SEED/SDAR family: fresh skills, λ ≡ 1, no replay
     elif ok:
         g, v, ty = [recs[i].gain for i in ok], [recs[i].var for i in ok], [recs[i].task_type for i in ok]
         lam_ok, info = shrinkage.teacher_trust(g, v, ty, mode=a.trust)                   # Eq. (6)-(9)
-        lam[ok], shrunk[ok] = lam_ok, info["mean"]
+        lam[ok] = lam_ok
+        for i, shrunk in zip(ok, info["mean"]):
+            recs[i].shrunk = float(shrunk)
         lam[[i for i in ok if not recs[i].informative]] = 0.0   # [ours] no evidence about the skill
         if a.calibrate:                   # both modes' posteriors, to hold against a fresh replay (calibrate)
             both = {mode: shrinkage.teacher_trust(g, v, ty, mode=mode)[0] for mode in ("eb", "raw")}
@@ -381,8 +384,8 @@ def trust(run: Run, b: Batch, recs: list[TaskRecord], replayed: bool):
             if mine:
                 m[f"replay/{source}_gain"] = float(np.mean([recs[i].gain for i in mine]))
                 m[f"trust/{source}_mean"] = float(np.mean(lam[mine]))
-    for r, l, s in zip(recs, lam, shrunk):
-        r.trust, r.shrunk = float(l), float(s)
+    for r, trusted in zip(recs, lam):
+        r.trust = float(trusted)
     m.update({"trust/mean": float(lam.mean()) if len(lam) else 0.0,
               "trust/frac_teacher": float((lam > 0).mean()) if len(lam) else 0.0,
               "replay/failed": float(sum(r.skill is not None for r in recs) - len(ok))})

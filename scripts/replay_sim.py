@@ -114,7 +114,7 @@ def simulate(args, n_steps: int, p_of, effects: dict[str, float], seed: int = 0)
     for step in range(n_steps):
         tasks = [{"gamefile": t} for t in names[step * args.tasks_per_step:(step + 1) * args.tasks_per_step]]
         eps = run_episodes(run.engine, pool, tasks, args.group_size, history_len=args.history_len)
-        records = [T.TaskRecord(t["gamefile"], "pick", gain=args.r_bad) for t in tasks]
+        records = [T.TaskRecord(t["gamefile"], "pick") for t in tasks]
         b = T.Batch(tasks, eps, [tr for e in eps for tr in e.turns], [], records)
         T.write_skills(run, b)
         T.replay(run, b)

@@ -79,7 +79,7 @@ def _write(wins, answers, **flags):
     args = T.Args(algo="rsipo", group_size=len(wins), **flags)
     engine = Engine(answers)
     run = S.Run(args, Path("."), torch.device("cpu"), None, [], Pool(), engine=engine, skill_rng=random.Random(0))
-    b = T.Batch([{"gamefile": "g0"}], _group(wins), [], [], [T.TaskRecord("g0", "clean", gain=args.r_bad)])
+    b = T.Batch([{"gamefile": "g0"}], _group(wins), [], [], [T.TaskRecord("g0", "clean")])
     T.write_skills(run, b)
     return b.records[0], engine.prompts
 
@@ -121,9 +121,9 @@ def test_a_rule_failed_skill_scores_r_bad_and_a_task_without_a_skill_is_not_in_e
     args = T.Args(algo="rsipo", group_size=2)
     run = S.Run(args, Path("."), torch.device("cpu"), None, [], Pool(), skill_rng=random.Random(0))
     recs = [T.TaskRecord("a", "clean", source="won", skill="s a", gain=0.5, replay_ok=True),
-            T.TaskRecord("b", "clean", source="won", skill=None, rule_failed=True, gain=args.r_bad),
+            T.TaskRecord("b", "clean", source="won", skill=None, rule_failed=True),
             T.TaskRecord("c", "clean", source="lost", skill="s c", gain=-0.5, replay_ok=True),
-            T.TaskRecord("d", "clean", source=None, gain=args.r_bad)]                    # wrote no skill
+            T.TaskRecord("d", "clean", source=None)]                    # wrote no skill
     b = T.Batch([], [], [], [], recs)
     T.skill_metrics(run, b, recs)
     T.skill_advantages(run, recs)

@@ -33,7 +33,7 @@ def _group(rewards: list[float], task_id: str = "g0") -> list[Episode]:
 
 def _batch(groups: list[list[Episode]], args) -> T.Batch:
     tasks = [{"gamefile": g[0].task_id} for g in groups]
-    records = [T.TaskRecord(g[0].task_id, "pick", gain=args.r_bad) for g in groups]
+    records = [T.TaskRecord(g[0].task_id, "pick") for g in groups]
     return T.Batch(tasks, [e for g in groups for e in g], [], [], records)
 
 
@@ -108,9 +108,9 @@ class ErrorPool(S.SimPool):
                 for (o, r, d, info), a in zip(out, actions)]
 
 
-def test_a_replay_with_an_env_error_is_left_out_with_its_gain_at_r_bad():
+def test_a_replay_with_an_env_error_is_left_out_without_a_gain():
     rec, _ = _replayed("fresh", [0, 10], ErrorPool({"task0": 0.5}, {"won": 0.0}, seed=0))
-    assert not rec.replay_ok and rec.gain == -1.0 and rec.skill == SKILL
+    assert not rec.replay_ok and rec.gain is None and rec.skill == SKILL
 
 
 # ---- skill_advantages (Eq. 5) ---------------------------------------------------------------------------------
@@ -118,8 +118,8 @@ def test_a_replay_with_an_env_error_is_left_out_with_its_gain_at_r_bad():
 def _records(args) -> list[T.TaskRecord]:
     return [T.TaskRecord("a", "pick", source="won", skill="s", gain=0.6, replay_ok=True),
             T.TaskRecord("b", "pick", source="won", skill="s", gain=0.2, replay_ok=True),
-            T.TaskRecord("c", "pick", source="won", skill="s", gain=args.r_bad, replay_ok=False),   # env error
-            T.TaskRecord("d", "pick", source="won", skill=None, gain=args.r_bad),                   # invalid
+            T.TaskRecord("c", "pick", source="won", skill="s", replay_ok=False),   # env error: no gain
+            T.TaskRecord("d", "pick", source="won", skill=None),                   # invalid
             T.TaskRecord("e", "heat", source="won", skill="s", gain=0.5, replay_ok=True)]
 
 
@@ -137,12 +137,12 @@ def test_skill_rewards_are_eq5_per_type_without_the_failed_replays():
 
 def test_skill_metrics_count_the_written_the_valid_and_their_rewards():
     args = T.Args(algo="rsipo", group_size=2)
-    recs = _records(args) + [T.TaskRecord("f", "pick", source=None, gain=args.r_bad)]   # wrote no skill
+    recs = _records(args) + [T.TaskRecord("f", "pick", source=None)]   # wrote no skill
     b = T.Batch([], [], [], [], recs)
     T.skill_metrics(_run(args), b, recs)
     m = b.metrics
     assert m["skill/written_frac"] == pytest.approx(5 / 6) and m["skill/valid_frac"] == pytest.approx(4 / 5)
-    # Eq. (5)'s g̃ of the five that wrote one: 0.6, 0.2, −1 (replay failed: its gain stays r_bad), −1, 0.5
+    # Eq. (5)'s g̃ of the five that wrote one: 0.6, 0.2, −1 (replay failed: no gain, r_bad here), −1, 0.5
     assert m["skill/reward_mean"] == pytest.approx((0.6 + 0.2 - 1 - 1 + 0.5) / 5)
     assert m["skill/won_sources"] == 5.0 and m["skill/lost_sources"] == 0.0 and "skill/lost_reward" not in m
 
@@ -154,7 +154,7 @@ def _trusted(replayed: bool, trust: str = "eb") -> list[T.TaskRecord]:
     recs = [T.TaskRecord("a", "pick", source="won", skill="s", gain=0.5, var=0.04, replay_ok=True),
             T.TaskRecord("b", "pick", source="won", skill="s", gain=0.0, var=0.04, replay_ok=True, informative=False),
             T.TaskRecord("c", "pick", source="won", skill="s", gain=0.3, var=0.04, replay_ok=False),   # env error
-            T.TaskRecord("d", "pick", source=None, gain=-1.0)]                                         # no skill
+            T.TaskRecord("d", "pick", source=None)]                                                    # no skill
     T.trust(_run(args), T.Batch([], [], [], [], recs), recs, replayed=replayed)
     return recs
 
