@@ -113,15 +113,33 @@ def test_single_process_run_and_exact_resume(tmp_path):
         assert torch.allclose(v, st_cut["model"][k], atol=1e-6), k
 
 
+def _skill_writing_sft(path: Path) -> Path:
+    """The tiny warm start's skill-writing samples alone (the analyzer prompt → its game's rule-based skill) as
+    --sft_data: 250 steps on them write parseable skills, where TINY's 40 steps on every sample write none."""
+    import envs
+    from skills import ANALYZER_HEAD
+    args = T.parse_args(TINY)
+    pairs = cpu_preset.warm_start_pairs(args, envs.env_data(args, None), None, skills=True)
+    path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in pairs
+                            if p.startswith(ANALYZER_HEAD)))
+    return path
+
+
 def test_rsipo_run_end_to_end_single_process(tmp_path):
-    T.main(TINY + ["--algo", "rsipo", "--steps", "1", "--calibrate", "1", "--out_dir", str(tmp_path), "--run_name", "rs"])
+    # a warm start that writes parseable skills, and every task writes one (the 2-step warm start wins nothing):
+    # so skills are replayed, trusted and checked afresh, and the assertions below have something to check
+    T.main(TINY + ["--algo", "rsipo", "--steps", "1", "--calibrate", "1", "--out_dir", str(tmp_path), "--run_name", "rs",
+                   "--sft_data", str(_skill_writing_sft(tmp_path / "skills.jsonl")), "--sft_steps", "250",
+                   "--skill_groups", "all", "--skill_rule", "false"])
     run = tmp_path / "rs"
     row = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if "train/success" in l][0]
+    assert row["skill/written_frac"] == 1.0 and row["skill/valid_frac"] > 0     # parsed skills, replayed below
+    assert "replay/gain_mean" in row and "trust/shrink_mean" in row
     # the RSIPO sections ran: skills were written and parsed, trust computed, skill samples trained
     for k in ("skill/written_frac", "trust/mean", "time/skills", "time/replay"):
         assert k in row, k
-    # validity and reward only where a skill was written (a group with a win); the facts of the valid skills
-    # against their games (skill_facts) whenever one parsed
+    # validity and reward only where a skill was written; the facts of the valid skills against their games
+    # (skill_facts) whenever one parsed
     assert ("skill/valid_frac" in row) == ("skill/reward_mean" in row) == (row["skill/written_frac"] > 0)
     assert 0.0 <= row.get("skill/valid_frac", 0) <= 1.0 and 0.0 <= row["trust/mean"] <= 1.0
     assert ("skill/names_object" in row) == (row.get("skill/valid_frac", 0) > 0)
@@ -130,13 +148,13 @@ def test_rsipo_run_end_to_end_single_process(tmp_path):
     assert "skill_means" in st["extra"] and "bank" in st["extra"]
     # the trust check replayed every scored skill afresh (1 episode with it, 1 without, per task)
     n_scored = round(2 * row["skill/written_frac"] * row.get("skill/valid_frac", 0)) - row["replay/failed"]
-    cal = [json.loads(l) for l in (run / "calibration.jsonl").read_text().splitlines()] if n_scored else []
-    assert row["calib/tasks"] == len(cal) == n_scored
+    cal = [json.loads(l) for l in (run / "calibration.jsonl").read_text().splitlines()]
+    assert row["calib/tasks"] == len(cal) == n_scored > 0
     for r in cal:
         assert 0 <= r["trust_eb"] <= 1 and 0 <= r["trust_raw"] <= 1 and r["fresh_gain"] in (-1.0, 0.0, 1.0)
     assert row["calib/env_steps"] >= 2 * n_scored   # each fresh episode takes at least one env step
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary.get("calib/tasks") == n_scored) if n_scored else "calib/brier_eb" not in summary
+    assert summary["calib/tasks"] == n_scored and "calib/brier_eb" in summary
 
 
 def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
