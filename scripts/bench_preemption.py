@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,26 +37,36 @@ PHASES = {"sft": ("steps 1..400", 1.0, ["--sft_steps", "400"]),
           "rollout of step 1": ("eval before RL", 0.0, ["--sft_steps", "40", "--max_turns", "50"])}
 
 
-def measure(phase: str, work: Path, port: int, grace: int) -> dict:
-    after, delay, extra = PHASES[phase]
-    run = work / phase.split()[0]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(ROOT / "train.py"), *FLAGS, *extra, "--out_dir", str(work), "--run_name", run.name]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
+def torchrun_sigterm(args: list, port: int, signal_when=None, delay: float = 0.0, grace: Optional[int] = None,
+                     timeout: float = 900) -> tuple[int, str, Optional[float]]:
+    """`torchrun --nproc_per_node 2 ARGS` (one intra-op thread a rank, output unbuffered); with `signal_when`
+    (a predicate on the output so far) SIGTERM goes to torchrun `delay` seconds after it first holds, as a
+    scheduler sends it. `grace`: torchrun's shutdown timeout (its default, 30 s, when None). Returns the exit
+    code, the output, and the seconds from the signal to torchrun's exit (None without a signal)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if grace is not None:
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace)
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, sent = [], None
     for line in p.stdout:
         out.append(line)
-        if sent is None and after in line:
+        if signal_when is not None and sent is None and signal_when("".join(out)):
             time.sleep(delay)
             p.send_signal(signal.SIGTERM)
             sent = time.time()
-    p.wait(timeout=900)
-    seconds = time.time() - sent if sent else None
-    log = "".join(out)
+    rc = p.wait(timeout=timeout)
+    return rc, "".join(out), (time.time() - sent) if sent else None
+
+
+def measure(phase: str, work: Path, port: int, grace: int) -> dict:
+    after, delay, extra = PHASES[phase]
+    run = work / phase.split()[0]
+    _, log, seconds = torchrun_sigterm([str(ROOT / "train.py"), *FLAGS, *extra, "--out_dir", str(work),
+                                        "--run_name", run.name], port, lambda out: after in out, delay, grace)
     ckpt = checkpoints(run) or checkpoints(run / "sft")
     return {"phase": phase, "seconds": seconds, "stopped_on_their_own": "forcefully exiting" not in log,
-            "preempted_line": next((x.strip() for x in out if x.startswith("preempted")), None),
+            "preempted_line": next((x.strip() for x in log.splitlines() if x.startswith("preempted")), None),
             "checkpoint": str(ckpt[0].relative_to(work)) if ckpt else None}
 
 

@@ -309,21 +309,14 @@ def test_sigterm_mid_run_then_restart_matches_the_uninterrupted_run(tmp_path):
     """2 ranks, 3 RL steps. SIGTERM to torchrun in step 2: the ranks agree, the step is abandoned (before its
     update) or finished (after), a checkpoint of the steps done is written and the run exits non-zero; the
     same command then resumes, and every step's metrics equal those of a run never interrupted."""
-    import signal
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_preemption import torchrun_sigterm
     argv = [str(ROOT / "train.py"), *TINY, "--steps", "3", "--env_workers", "1", "--eval", "false",
             "--out_dir", str(tmp_path)]
     _torchrun(argv + ["--run_name", "full"], 29554, timeout=900)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29555",
-           *argv, "--run_name", "cut"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = []
-    for line in p.stdout:
-        out.append(line)
-        if line.startswith("step    1 |"):   # a tiny step takes about a second: this lands in step 1's end or step 2
-            p.send_signal(signal.SIGTERM)
-    rc = p.wait(timeout=300)
-    log = "".join(out)
+    # a tiny step takes about a second: the signal lands in step 1's end or in step 2
+    rc, log, _ = torchrun_sigterm(argv + ["--run_name", "cut"], 29555, lambda out: "\nstep    1 |" in out,
+                                  timeout=300)
     assert rc != 0 and "preempted (SIGTERM): checkpoint of step" in log, log[-3000:]
     done = int(log.split("preempted (SIGTERM): checkpoint of step ")[1].split()[0])
     assert done in (1, 2) and D.checkpoints(tmp_path / "cut")[0].name == f"step_{done:06d}"

@@ -6,9 +6,7 @@ workers once the grace period is over, and they must be gone by then)."""
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,8 @@ import train as T  # noqa: E402
 from harness import run as harness_run, sft as harness_sft  # noqa: E402
 from infra import distributed as D  # noqa: E402
 from test_train import TINY, _state  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_preemption import torchrun_sigterm  # noqa: E402
 
 FLAGS = TINY + ["--algo", "grpo", "--steps", "2", "--save_every", "10"]
 
@@ -91,24 +91,12 @@ def test_sigterm_in_the_evaluation_before_rl_cuts_it_short_and_the_resumed_run_r
 
 
 def _torchrun(cmd_args: list, port: int, signal_when=None, grace: int = 5, delay: float = 0.0):
-    """torchrun over 2 ranks with a `grace`-second shutdown timeout; with `signal_when` (a predicate on the output
-    so far), SIGTERM goes to torchrun `delay` seconds after it holds. Returns (exit code, output, seconds from
-    the signal to torchrun's exit)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *cmd_args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(grace))
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, sent = [], None
-    for line in p.stdout:
-        out.append(line)
-        if signal_when is not None and sent is None and signal_when("".join(out)):
-            time.sleep(delay)
-            p.send_signal(signal.SIGTERM)
-            sent = time.time()
-    rc = p.wait(timeout=600)
-    log = "".join(out)
-    if sent is not None:   # the workers stopped on their own, inside the grace period, not killed by the agent
+    """bench_preemption.torchrun_sigterm with a `grace`-second shutdown timeout; a signalled run's workers must
+    stop on their own, inside it, not be killed by the agent."""
+    rc, log, seconds = torchrun_sigterm(cmd_args, port, signal_when, delay, grace, timeout=600)
+    if seconds is not None:
         assert "forcefully exiting" not in log, log[-3000:]
-    return rc, log, (time.time() - sent) if sent else None
+    return rc, log, seconds
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
