@@ -453,8 +453,11 @@ class SearchEnv:
 
     def __init__(self, retriever, tasks: dict | None = None, max_turns: int = 4, top_k: int = 3,
                  timeout: float = 1.0):
-        self.retriever, self.tasks = retriever, tasks or {}
-        self.max_turns, self.top_k, self.timeout = max_turns, top_k, timeout
+        self.retriever = retriever
+        self.tasks = tasks or {}
+        self.max_turns = max_turns
+        self.top_k = top_k
+        self.timeout = timeout
         self.task: dict | None = None
         self.done = True
 
@@ -550,8 +553,12 @@ class SearchPool:
     def __init__(self, retriever, tasks, max_turns: int = 4, top_k: int = 3, timeout: float = 1.0, batch: int = 32):
         if not isinstance(tasks, dict):
             tasks = {t["id"]: t for t in tasks}
-        self.retriever, self.tasks = retriever, tasks
-        self.max_turns, self.top_k, self.timeout, self.batch = max_turns, top_k, timeout, batch
+        self.retriever = retriever
+        self.tasks = tasks
+        self.max_turns = max_turns
+        self.top_k = top_k
+        self.timeout = timeout
+        self.batch = batch
         self.stats = {"errors": 0, "timeouts": 0, "retriever_errors": 0, "searches": 0}
         self.envs: list[SearchEnv] = []
         self.active: list[bool] = []
@@ -559,7 +566,9 @@ class SearchPool:
 
     def reset(self, task_ids: list[str]) -> list[tuple[str, dict]]:
         self._check_open()
-        self.envs, self.active, out = [], [], []
+        self.envs = []
+        self.active = []
+        out = []
         for tid in task_ids:
             env = SearchEnv(self.retriever, self.tasks, self.max_turns, self.top_k, self.timeout)
             if tid not in self.tasks:
@@ -644,7 +653,8 @@ def env_data(args, types) -> EnvData:
         _refuse_overlap([r["id"] for r in tr], [r["id"] for r in ev], args)
         recs = {r["id"]: r for r in tr + ev}
         return EnvData([r["id"] for r in tr], [r["id"] for r in ev], {i: r["task_type"] for i, r in recs.items()}, recs)
-    tr, ev = list_games(args.data_root, args.train_split, types), list_games(args.data_root, args.eval_split, types)
+    tr = list_games(args.data_root, args.train_split, types)
+    ev = list_games(args.data_root, args.eval_split, types)
     _refuse_overlap(tr, ev, args)
     return EnvData(tr, ev, {g: game_task_type(g) for g in tr + ev})
 

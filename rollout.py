@@ -213,7 +213,9 @@ class HFEngine:
     def __init__(self, model, tokenizer, max_new_tokens: int = 512, temperature: float = 1.0,
                  top_p: float = 1.0, max_prompt_tokens: int = 2048, stop_texts: Optional[list[str]] = None):
         self.model, self.tok = model, tokenizer
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
         self.max_prompt_tokens = max_prompt_tokens
         # Generation stops after the first of these texts (ALFWorld: </action>; search: the pool's).
         self.stop_texts = list(stop_texts) if stop_texts else [STOP_TEXT]
@@ -352,7 +354,9 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
     (`request_seed`), which an engine that samples each request on its own (vLLM) uses; so the same turn of
     the same episode draws the same random numbers in two evaluations, on any rank and in any batch.
     """
-    make_prompt, parse, prefix = pool.build_prompt, pool.parse_action, pool.task_prefix
+    make_prompt = pool.build_prompt
+    parse = pool.parse_action
+    prefix = pool.task_prefix
     gamefiles = [t[pool.task_key] for t in tasks for _ in range(n_per_task)]
     eps, obs, adm = start_episodes(pool, tasks, gamefiles, n_per_task, skills or {}, group_offset)
     active = [ep.error is None for ep in eps]
@@ -480,7 +484,8 @@ def collate(samples: list[tuple[list[int], list[int]]], pad_id: int, device):
     responses start at column P; targets [B, R] (the response tokens) and their mask [B, R].
     `token_logprobs_of` then computes logits for the R response positions only: prompts are 75-90% of
     an ALFWorld turn's tokens, and the [B, T, V] logits and log-softmax were the update's memory."""
-    P, R = max(len(p) for p, _ in samples), max(len(r) for _, r in samples)
+    P = max(len(p) for p, _ in samples)
+    R = max(len(r) for _, r in samples)
     ids = torch.full((len(samples), P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((len(samples), P + R), dtype=torch.long)
     targets = torch.full((len(samples), R), pad_id, dtype=torch.long)

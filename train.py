@@ -129,7 +129,9 @@ def rl_step(run: Run, step: int) -> dict:
     (λ ≡ 1); rsipo replays each skill, trusts it by its replay gain, trains the skill writer (Eq. 5) and banks
     the validated skills. Between the sections before the update, a SIGTERM on any rank abandons the step
     (`Preemption`)."""
-    a, timer, check = run.args, Timer(), run.preempt.check
+    a = run.args
+    timer = Timer()
+    check = run.preempt.check
     rsipo_sections = a.algo == "rsipo"
     with timer("rollout"):
         b = rollout_and_advantages(run)
@@ -156,17 +158,19 @@ def rl_step(run: Run, step: int) -> dict:
         samples, skill_samples = score(run, b)
     check()                               # the last point to abandon: the update changes the weights
     with timer("update"):
-        um = update(run.model, run.opt, samples + skill_samples, a, run.tok.pad_token_id, run.device,
+        update_metrics = update(run.model, run.opt, samples + skill_samples, a, run.tok.pad_token_id, run.device,
                     use_teacher=a.uses_skills)
     with timer("sync"):
         sync_weights(run)
-    return step_row(run, step, b, samples, skill_samples, {**um, **timer.times, "time/step": time.time() - timer.t0})
+    step_time = {**timer.times, "time/step": time.time() - timer.t0}
+    return step_row(run, step, b, samples, skill_samples, {**update_metrics, **step_time})
 
 
 def rollout_and_advantages(run: Run) -> Batch:
     """Student rollouts (§2.1): N episodes of each of this rank's tasks from the same start, then Eq. (1)
     over each task's turn-samples, with the format penalty of unparsable turns."""
-    a, N = run.args, run.args.group_size
+    a = run.args
+    N = run.args.group_size
     picks = draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
     tasks = [{run.pool.task_key: run.data.train[i]} for i in picks[D.RANK::D.WORLD]]
     eps = run_episodes(run.engine, run.pool, tasks, N, history_len=a.history_len, temperature=a.temperature,
@@ -237,7 +241,8 @@ def write_skills(run: Run, b: Batch):
     b.skill_gens = [Generation("", [], [], [])] * len(b.records)
     if a.teacher_skill == "generic":      # [ours] the diagnostic: every teacher gets its game's type-level workflow
         for rec in b.records:
-            rec.source, rec.skill = "generic", run.generic_skill(rec.task_id)
+            rec.source = "generic"
+            rec.skill = run.generic_skill(rec.task_id)
             rec.replay_ok = rec.skill is not None
         return
     chosen: list[Optional[Episode]] = []
@@ -263,7 +268,8 @@ def write_skills(run: Run, b: Batch):
             skill = parse_skill(gen.text, a.skill_max_words)
             terms = run.pool.task_terms(chosen[k].task)
             rec.rule_failed = bool(skill) and a.skill_rule and not names_task(skill, terms)
-            b.skill_gens[k], rec.skill = gen, None if rec.rule_failed else skill
+            b.skill_gens[k] = gen
+            rec.skill = None if rec.rule_failed else skill
     for rec in b.records:
         rec.replay_ok = rec.skill is not None
         if rec.skill and run.skill_facts is not None:
@@ -274,7 +280,8 @@ def replay(run: Run, b: Batch):
     """Eq. (3)-(4) (§2.4): M episodes of each task with its skill inserted after the task line of every
     prompt, from the same start, against a skill-free control that did not choose the source
     (--replay_control [ours]: M fresh episodes played in the same lock-step, or the rollouts of the other half)."""
-    a, N = run.args, run.args.group_size
+    a = run.args
+    N = run.args.group_size
     M = a.replay_m or max(1, N // 2)      # [ours] M = N/2 by default
     idx = [k for k, r in enumerate(b.records) if r.skill is not None]
     tasks = [b.tasks[k] for k in idx]
@@ -330,7 +337,8 @@ def skill_advantages(run: Run, recs: list[TaskRecord]):
 def skill_metrics(run: Run, b: Batch, recs: list[TaskRecord]):
     """The skills of the step, all ranks: how many tasks wrote one, how many are valid, their rewards (Eq. 5's
     g̃), what they name, also by the outcome of the episode each was written from (won / lost)."""
-    a, m = run.args, b.metrics
+    a = run.args
+    m = b.metrics
     written = [r for r in recs if r.source is not None]
 
     def reward(r: TaskRecord) -> float:
@@ -357,28 +365,31 @@ def trust(run: Run, b: Batch, recs: list[TaskRecord], replayed: bool):
     """Eq. (6)-(9) (§2.6): the empirical-Bayes trust λ_q in each task's teacher and the shrunk gain ĝ_q, from
     the replay gains of every rank's tasks; without a replay (opsd) λ ≡ 1 for every valid skill. The replay
     gain and λ also by the outcome of the skill's source episode."""
-    a, m = run.args, b.metrics
+    a = run.args
+    m = b.metrics
     ok = [i for i, r in enumerate(recs) if r.replay_ok]
     lam = np.zeros(len(recs))
     if not replayed:
         lam[ok] = 1.0                     # the SEED/SDAR family: fresh skills, λ ≡ 1, no replay
     elif ok:
-        g, v, ty = [recs[i].gain for i in ok], [recs[i].var for i in ok], [recs[i].task_type for i in ok]
-        lam_ok, info = shrinkage.teacher_trust(g, v, ty, mode=a.trust)                   # Eq. (6)-(9)
+        g = [recs[i].gain for i in ok]
+        v = [recs[i].var for i in ok]
+        types = [recs[i].task_type for i in ok]
+        lam_ok, info = shrinkage.teacher_trust(g, v, types, mode=a.trust)                   # Eq. (6)-(9)
         lam[ok] = lam_ok
         for i, shrunk in zip(ok, info["mean"]):
             recs[i].shrunk = float(shrunk)
         lam[[i for i in ok if not recs[i].informative]] = 0.0   # [ours] no evidence about the skill
         if a.calibrate:                   # both modes' posteriors, to hold against a fresh replay (calibrate)
-            both = {mode: shrinkage.teacher_trust(g, v, ty, mode=mode)[0] for mode in ("eb", "raw")}
+            both = {mode: shrinkage.teacher_trust(g, v, types, mode=mode)[0] for mode in ("eb", "raw")}
             for j, i in enumerate(ok):
                 recs[i].posterior = {mode: float(x[j]) for mode, x in both.items()}
         m.update({"trust/shrink_mean": float(np.mean(info["shrink"])),
                   "replay/shrunk_gain_mean": float(np.mean(info["mean"])),
                   "replay/gain_mean": float(np.mean(g)),
                   "replay/uninformative": float(sum(not recs[i].informative for i in ok))})
-        for t in sorted(set(ty)):
-            m[f"replay/gain_{t}"] = float(np.mean([x for x, tx in zip(g, ty) if tx == t]))
+        for t in sorted(set(types)):
+            m[f"replay/gain_{t}"] = float(np.mean([x for x, tx in zip(g, types) if tx == t]))
         for source in ("won", "lost"):
             mine = [i for i in ok if recs[i].source == source]
             if mine:
@@ -417,9 +428,10 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
             continue                      # [ours] a teacher-only turn, subsampled (--opsd_keep)
         samples.append(Sample(tr.prompt_ids, tr.response_ids, A, None, trust=lam, turn=tr))
     # [ours] η = 0 turns skill-writing training off altogether (its KL and entropy too)
-    mine_k = [k for k, r in enumerate(b.records) if r.skill_adv is not None and b.skill_gens[k].token_ids and a.eta > 0]
+    skill_tasks = [k for k, r in enumerate(b.records)
+                   if r.skill_adv is not None and b.skill_gens[k].token_ids and a.eta > 0]
     skill_samples = [Sample(b.skill_gens[k].prompt_ids, b.skill_gens[k].token_ids, b.records[k].skill_adv, None,
-                            skill=True) for k in mine_k]
+                            skill=True) for k in skill_tasks]
     # π_old, the weights that sampled: the rollout copy on the HF engine; with vLLM the FSDP2 policy itself,
     # whose weights vLLM holds (synced after the last update, and this step's update has not run)
     old_model = run.rollout_model if run.rollout_model is not None else run.model
@@ -431,7 +443,7 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
             sm.ref = r
     # the sampler's log-probs against π_old on the freely sampled tokens (T 1, top-p 1, unconstrained)
     b.metrics.update(sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
-                                 + [(sm.old, b.skill_gens[k].logprobs) for sm, k in zip(skill_samples, mine_k)
+                                 + [(sm.old, b.skill_gens[k].logprobs) for sm, k in zip(skill_samples, skill_tasks)
                                     if b.skill_gens[k].free]))
     kept = [sm for sm in samples if sm.trust > 0]   # grpo and gigpo trust no teacher: every λ is 0
     teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
@@ -462,7 +474,8 @@ def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
     out = {}
     for kind, (total, n) in zip(("tool", "other"), (tot[:2], tot[2:])):
         if n:
-            out[f"teacher/gap_{kind}"], out[f"teacher/tokens_{kind}"] = float(total / n), int(n)
+            out[f"teacher/gap_{kind}"] = float(total / n)
+            out[f"teacher/tokens_{kind}"] = int(n)
     return out
 
 
@@ -481,7 +494,8 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
     random.shuffle(order)
     per_rank = max(1, args.mini_batch // D.WORLD)
     n_mini = int(all_reduce(math.ceil(len(samples) / per_rank), "max")[0])
-    sums, metrics = UpdateSums(), {}
+    sums = UpdateSums()
+    metrics = {}
     dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
     model.train()
     for m in range(n_mini):
@@ -718,10 +732,10 @@ def warm_start(run: Run):
 
 def evaluate_start(run: Run):
     """The evaluation before RL (summary: eval/success_at_start, eval_at_start/*)."""
-    ev, run.summary["eval_at_start/by_game"] = evaluate_and_print(run, "eval_at_start", "before RL")
-    run.summary["eval/success_at_start"] = ev["eval/success"]
-    run.summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in ev.items()})
-    run.rows.append({"step": 0, **ev})
+    evaluation, run.summary["eval_at_start/by_game"] = evaluate_and_print(run, "eval_at_start", "before RL")
+    run.summary["eval/success_at_start"] = evaluation["eval/success"]
+    run.summary.update({k.replace("eval/", "eval_at_start/"): v for k, v in evaluation.items()})
+    run.rows.append({"step": 0, **evaluation})
 
 
 def reference(run: Run, resumed: bool):
@@ -751,7 +765,8 @@ def main(argv=None) -> dict:
     run = None
     try:
         run = setup(parse_args(argv))
-        a, run.preempt = run.args, Preemption()
+        a = run.args
+        run.preempt = Preemption()
         build_policy(run)
         try:
             begin(run)
