@@ -227,8 +227,9 @@ def test_every_current_results_chain_parses_as_written(monkeypatch):
             config.parse_args(cmd[2:])
             continue
         extra = cmd[cmd.index("--") + 1:] if "--" in cmd else []
-        if extra:
-            config.parse_args(extra)
+        algos = cmd[cmd.index("--algos") + 1].split(",") if "--algos" in cmd else ["rsipo"]
+        for algo in algos if extra else []:   # what each run of scripts/compare.py passes on to train.py
+            config.parse_args(["--algo", algo, *extra])
         module = importlib.import_module(Path(cmd[1]).stem)
         with monkeypatch.context() as m:
             m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
