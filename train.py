@@ -1,4 +1,4 @@
-"""RSIPO trainer: the config, the warm start, and the RL loop, one step of which runs the method's sections in order.
+"""RSIPO trainer: the warm start and the RL loop, one step of which runs the method's sections in order.
 
     python train.py                                   # the tiny CPU default (clean held out): RSIPO, ~10 min on 2 cores
     python train.py --algo grpo                       # the GRPO baseline (--algo opsd: SEED/SDAR-style)
@@ -16,8 +16,8 @@ order, the update in its parts, then the warm start, the reference and `main`.
 Every section is a function of the `Run` (what the whole run holds) and the step's `Batch`; a test can call
 each on its own. Per task, the sections fill one `TaskRecord`; the records are gathered once a step.
 `main` reads as the run's phases. The plumbing below them (set-up, resume, checkpoints, SIGTERM, the files
-written at the end) is harness/run.py; SFT harness/sft.py; ranks and sharding infra/distributed.py; the CPU
-presets (the tiny model and its warm start, SmolLM2) harness/cpu_preset.py.
+written at the end) is harness/run.py; the flags and presets harness/config.py; SFT harness/sft.py; ranks and
+sharding infra/distributed.py; the tiny model and its warm start (and SmolLM2) harness/cpu_preset.py.
 
 Choices, all **[ours]** (METHOD.md §5 gives the reasons):
 1. On the HF engine each rank rolls out with an unsharded copy of the policy (the rollout weights, π_old),
