@@ -71,7 +71,7 @@ from rollout import (Episode, Generation, Turn, by_task, collate, fit_prompt, ru
 from skills import ANALYZER_MAX_STEPS, analyzer_prompt, parse_skill
 
 
-# ---- One step's records ----------------------------------------------------------------------------------------------
+# ---- One step's records ------------------------------------------------------------------------------------------
 
 @dataclass
 class TaskRecord:
@@ -121,7 +121,7 @@ class Sample:
     turn: Optional[Turn] = None                 # the student turn it came from
 
 
-# ---- One RL step, section by section (METHOD.md §2) ------------------------------------------------------------------
+# ---- One RL step, section by section (METHOD.md §2) --------------------------------------------------------------
 
 def rl_step(run: Run, step: int) -> dict:
     """One step of the method; returns its row of metrics.jsonl. Which sections run is decided here, and only
@@ -315,8 +315,8 @@ def share_records(b: Batch) -> list[TaskRecord]:
 
 def skill_reward(r: TaskRecord, r_bad: float) -> float:
     """Eq. (5)'s g̃ of a task that wrote a skill: its replay gain, or r_bad for an invalid skill (and, in the
-    metrics only, for a valid one without a measured gain: never replayed, or its replay failed). The one
-    place r_bad stands in for a gain."""
+    metrics only, for a valid one without a measured gain: never replayed, or its replay failed). The trainer's
+    one place r_bad stands in for a gain (rsipo.skill_advantages, a library function, applies the same rule)."""
     return r.gain if r.skill is not None and r.gain is not None else r_bad
 
 
@@ -340,9 +340,7 @@ def skill_metrics(run: Run, b: Batch, recs: list[TaskRecord]):
     a = run.args
     m = b.metrics
     written = [r for r in recs if r.source is not None]
-
-    def reward(r: TaskRecord) -> float:
-        return skill_reward(r, a.r_bad)
+    rewards = [skill_reward(r, a.r_bad) for r in written]
     facts = [r.facts for r in recs if r.facts]
     for key in ("object", "target", "place") if facts else ():
         m[f"skill/names_{key}"] = float(np.mean([f[key] for f in facts]))
@@ -350,12 +348,12 @@ def skill_metrics(run: Run, b: Batch, recs: list[TaskRecord]):
     if written:                           # a step where no task wrote a skill has no validity or reward to log
         m.update({"skill/valid_frac": sum(r.skill is not None for r in written) / len(written),
                   "skill/rule_failed": float(sum(r.rule_failed for r in written)),
-                  "skill/reward_mean": float(np.mean([reward(r) for r in written]))})
+                  "skill/reward_mean": float(np.mean(rewards))})
     words = [len(r.skill.split()) for r in b.records if r.skill]
     if words:
         m["skill/words"] = float(np.mean(words))
     for source in ("won", "lost"):
-        mine = [reward(r) for r in written if r.source == source]
+        mine = [g for r, g in zip(written, rewards) if r.source == source]
         m[f"skill/{source}_sources"] = float(len(mine))
         if mine:
             m[f"skill/{source}_reward"] = float(np.mean(mine))
@@ -479,7 +477,7 @@ def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
     return out
 
 
-# ---- The update, Eq. (10)-(12) ---------------------------------------------------------------------------------------
+# ---- The update, Eq. (10)-(12) -----------------------------------------------------------------------------------
 
 def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_teacher: bool):
     """One epoch over this rank's samples in mini-batches (Eq. 10-12). Within a mini-batch the
@@ -494,7 +492,7 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
     random.shuffle(order)
     per_rank = max(1, args.mini_batch // D.WORLD)
     n_mini = int(all_reduce(math.ceil(len(samples) / per_rank), "max")[0])
-    sums = UpdateSums()
+    sums = UpdateSums(n_mini)
     metrics = {}
     dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
     model.train()
@@ -509,9 +507,9 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
             lengths = [len(s.prompt_ids) + len(s.response_ids) for s in part]
             for sub, empty in aligned_micro_batches(part, lengths, args.micro_batch, args.micro_tokens, dummy):
                 micro_step(model, sub, skill, empty, tokens, args, pad_id, device, use_teacher and not skill, sums,
-                           first=m == 0, n_mini=n_mini)
+                           first=m == 0)
         optimizer_step(model, opt, args, metrics, n_mini)
-    return {**metrics, **sums.reduce(samples, n_mini)}
+    return {**metrics, **sums.reduce(samples)}
 
 
 @dataclass
@@ -532,7 +530,7 @@ def token_counts(chunk: list[Sample], drop_zero_adv: bool) -> TokenCounts:
 
 
 def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: TokenCounts, args: Args, pad_id, device,
-               use_teacher: bool, sums: "UpdateSums", first: bool, n_mini: int):
+               use_teacher: bool, sums: "UpdateSums", first: bool):
     """Forward and backward of one micro-batch of student turns or (`skill`) skill samples, or of a dummy that
     weighs 0 (`empty`): the loss of Eq. (12) over its mini-batch's token counts; its metrics go into `sums`."""
     ids, attn, tgt, mask = collate([(s.prompt_ids, s.response_ids) for s in sub], pad_id, device)
@@ -558,7 +556,7 @@ def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: Token
         c_kl=args.c_kl, c_ent=args.c_ent, pg_weight=args.eta if skill else 1.0, n_tokens=max(n_tok, 1.0),
         pg_n_tokens=max(n_tok if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0))
     loss.backward()
-    sums.add(step_metrics, skill, float(mask.sum()), n_mini)
+    sums.add(step_metrics, skill, float(mask.sum()))
 
 
 def optimizer_step(model, opt, args: Args, metrics: dict, n_mini: int):
@@ -594,17 +592,18 @@ class UpdateSums:
     skill_), the student tokens, and |ℓ − ℓ_old| over the first mini-batch. [ours] That mini-batch runs before
     any optimizer step, where π_θ is π_old: a gap above the compute dtype's noise means the sampler's weights or
     buffers are not the trained ones."""
+    n_mini: int                           # the update's mini-batches (loss terms are averaged over them)
     loss_terms: dict = field(default_factory=dict)
     weighted: dict = field(default_factory=dict)
     turn_tokens: float = 0.0
     gap: list = field(default_factory=lambda: [0.0, 0.0, 0.0])   # sum, tokens, max
 
-    def add(self, step_metrics: dict, skill: bool, n_tokens: float, n_mini: int):
+    def add(self, step_metrics: dict, skill: bool, n_tokens: float):
         self.turn_tokens += n_tokens * (not skill)
         for k, v in step_metrics.items():
             k = f"skill_{k}" if skill else k
             if is_loss_term(k):
-                self.loss_terms[k] = self.loss_terms.get(k, 0.0) + float(v) / n_mini
+                self.loss_terms[k] = self.loss_terms.get(k, 0.0) + float(v) / self.n_mini
             elif not k.endswith("n_tokens"):
                 self.weighted[k] = self.weighted.get(k, 0.0) + float(v) * n_tokens
 
@@ -613,7 +612,7 @@ class UpdateSums:
         self.gap[1] += float(mask.sum())
         self.gap[2] = max(self.gap[2], float(gap.max()))
 
-    def reduce(self, samples: list[Sample], n_mini: int) -> dict:
+    def reduce(self, samples: list[Sample]) -> dict:
         """Over all ranks: loss terms are already over the global token count (their mean over ranks), the
         others become token means."""
         total = all_reduce_union({**self.loss_terms, **self.weighted, "n/turn_tokens": self.turn_tokens,
@@ -624,7 +623,7 @@ class UpdateSums:
         gap_sum, gap_tokens = all_reduce(self.gap[:2])
         out["update/first_logp_gap_mean"] = float(gap_sum / max(1.0, gap_tokens))
         out["update/first_logp_gap_max"] = float(all_reduce(self.gap[2], "max")[0])
-        out["update/mini_batches"] = n_mini
+        out["update/mini_batches"] = self.n_mini
         out["update/tokens"] = n_turn
         return out
 
@@ -638,7 +637,7 @@ def _place(rows: list[torch.Tensor | None], samples: list[Sample], shape, device
     return out
 
 
-# ---- After the update ------------------------------------------------------------------------------------------------
+# ---- After the update --------------------------------------------------------------------------------------------
 
 def sync_weights(run: Run):
     """The rollout weights follow the policy: the rollout copy reloads it (HF engine), or the FSDP2
@@ -681,7 +680,7 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
             **b.metrics, **extra}
 
 
-# ---- The warm start and the reference; the run's phases --------------------------------------------------------------
+# ---- The warm start and the reference; the run's phases ----------------------------------------------------------
 
 def begin(run: Run):
     """Resume from the newest checkpoint, or warm-start (SFT) and evaluate the start; then the reference.

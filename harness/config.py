@@ -4,7 +4,7 @@ result. train.py and `python train.py --help` read it from here.
 
 How a flag gets its value, first match wins:
 1. the command line;
-2. the presets that apply, merged in PRESET_ORDER (a later one wins where two set the same flag):
+2. the presets that apply, merged in the order of PRESETS (a later one wins where two set the same flag):
    - `tiny`     --model tiny or a checkpoint the tiny preset wrote (the CPU model);
    - `gpu`      a real model on a GPU;
    - `heldout`  the default run, `--preset heldout` (the default) with the tiny model on ALFWorld;
@@ -67,14 +67,13 @@ SEARCH = {"data_root": "data/search_qa", "eval_split": "test", "max_turns": 4, "
 # --algo gigpo: GRPO with GiGPO's step-level advantage at verl-agent's published weight
 GIGPO = {"step_adv": 1.0}
 
-# name → (what it is for, its values); merged in this order
+# name → (what it is for, its values); `presets_for` merges them in this order
 PRESETS = {"tiny": ("--model tiny and its checkpoints: the CPU model's learning rates, lengths and batches", TINY),
            "gpu": ("a real model on a GPU: micro-batches by token budget, activation checkpointing", GPU),
            "heldout": ("the default run (--preset heldout, tiny model, ALFWorld): RL must find the clean procedure "
                        "the warm start holds out; a tiny checkpoint takes " + ", ".join(HELDOUT_RL), HELDOUT),
            "search": ("--env search: the Search-R1 protocol", SEARCH),
            "gigpo": ("--algo gigpo: GiGPO's step-level advantage", GIGPO)}
-PRESET_ORDER = tuple(PRESETS)
 
 
 def presets_for(flags: dict, gpu: Optional[bool] = None) -> list[tuple[str, dict]]:
@@ -319,8 +318,6 @@ CHOICES = {"algo": ("grpo", "gigpo", "opsd", "rsipo"), "trust": ("eb", "raw", "o
            "dtype": ("auto", "float32", "bfloat16"), "engine": ("hf", "vllm"), "vllm_sleep_level": (1, 2),
            "sft_hold_out_mode": cpu_preset.HOLD_OUT_MODES, "preset": ("heldout", "none")}
 
-# --algo gigpo: GRPO with GiGPO's step-level advantage at verl-agent's published weight
-
 
 # ---- The command line ----------------------------------------------------------------------------------------
 
@@ -342,15 +339,16 @@ def changed_defaults(a: Args, gpu: Optional[bool] = None) -> list[str]:
     out = []
     for f in dataclasses.fields(Args):
         v = getattr(a, f.name)
-        if v != f.default and v != _expanded(f):
+        expanded = _expand(f.default) if f.metadata.get("path") and f.default else f.default   # as parse_args gives it
+        if v != f.default and v != expanded:
             src = f"preset {preset[f.name][1]}" if f.name in preset and preset[f.name][0] == v else "command line"
             out.append(f"--{f.name} {v} ({src}; default {f.default})")
     return out
 
 
-def _expanded(f: dataclasses.Field):
-    """A path flag's default as the command line expands it (~ and $VARS), else the default itself."""
-    return os.path.expandvars(os.path.expanduser(f.default)) if f.metadata.get("path") and f.default else f.default
+def _expand(path: str) -> str:
+    """[ours] A path flag as the command line gives it to the run: ~ and $VARS expanded (--data_root ~/.cache/x)."""
+    return os.path.expandvars(os.path.expanduser(path))
 
 
 def parse_flags(cls, argv, presets_of, tables: dict[str, dict], description: str):
@@ -372,9 +370,9 @@ def parse_flags(cls, argv, presets_of, tables: dict[str, dict], description: str
         p.set_defaults(**{k: unset for k in presets})
         given = vars(p.parse_args(argv))
         ns.update({k: v for k, v in presets.items() if given[k] is unset})
-    for f in dataclasses.fields(cls):     # [ours] paths: ~ and $VARS expanded (--data_root ~/.cache/alfworld)
+    for f in dataclasses.fields(cls):
         if f.metadata.get("path") and ns[f.name]:
-            ns[f.name] = os.path.expandvars(os.path.expanduser(ns[f.name]))
+            ns[f.name] = _expand(ns[f.name])
     return cls(**ns)
 
 

@@ -443,7 +443,8 @@ CORPUS_LAYOUTS = ('{"id", "title", "text"}', '{"id", "contents": "\\"Title\\"\\n
 
 
 def split_contents(contents: str) -> tuple[str, str]:
-    """Search-R1's and wiki-18's `contents` ('"Title"\ntext', the title in quotes on the first line) → (title, text)."""
+    """Search-R1's and wiki-18's `contents` → (title, text): '"Title"\ntext', the title in quotes on the first
+    line."""
     title, _, text = contents.partition("\n")
     return title.strip().strip('"'), text.strip()
 
