@@ -303,7 +303,6 @@ def build_policy(run: "Run"):
         lambda t: run.tok.encode(t, add_special_tokens=False), a.skill_max_words)
     if not a.skill_max_tokens:
         print0(f"skill-writing budget: {run.skill_max_tokens} tokens (from the tokenizer, skill_token_budget)")
-    run.summary["config"] = dataclasses.asdict(a)
     print0("config (resolved; also in config.json):\n" + "\n".join(
         "  " + "  ".join(f"--{k} {v}" for k, v in chunk) for chunk in _chunks(list(dataclasses.asdict(a).items()), 6)))
     if D.RANK == 0:
