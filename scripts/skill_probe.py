@@ -12,9 +12,11 @@ and prints success per condition and per task type. With --bank it also checks e
 its game's truth (traj_data.json and walkthrough.json): does it name the task's object, its target
 (the receptacle, or the lamp for look), the tool of its type (sinkbasin / microwave / fridge) and
 where the walkthrough found the object, and does it name a tool of another type. Then it scores the turns of the `none`
-episodes the way RSIPO's teacher does — the same response tokens with the oracle skill inserted
-after the task line — and prints the teacher–student gap ℓ^T − ℓ^S (nats per token, mean and the
-share of turns where the teacher assigns the sampled action a higher probability).
+episodes the way RSIPO's teacher does — the same response tokens with the oracle skill, then the generic
+one, inserted after the task line — and prints the teacher–student gap ℓ^T − ℓ^S (nats per token, mean and
+the share of turns where the teacher assigns the sampled action a higher probability), its spread (the
+share of tokens near 0, the mean gate σ(β·gap) of Eq. 11 at β 5 and 50), and the gap on the action tokens
+of the turns that use their type's tool, on those of the other turns, and on the reasoning tokens.
 If the oracle skill does not raise success and the gap is ≈ 0, the model ignores skills, and the
 OPSD term of Eq. 11 has nothing to distil.
 
@@ -149,6 +151,45 @@ def own_skills(engine, pool, games: list[str], generic: dict, a) -> dict:
     return out
 
 
+GATE_BETAS = (5, 50)
+
+
+def action_start(tok, response_ids: list[int]) -> int:
+    """The index of the first response token whose prefix decodes to text holding "<action>" (the length when
+    none does): the tokens from there on are the action, those before it the reasoning."""
+    for i in range(1, len(response_ids) + 1):
+        if "<action>" in tok.decode(response_ids[:i]):
+            return i
+    return len(response_ids)
+
+
+def token_gaps(diffs: list, turns: list, tok) -> dict:
+    """How a teacher rates the student's sampled tokens, ℓ^T − ℓ^S per token: overall, its spread (the share near
+    0 and far from it, the mean gate σ(β·gap) of Eq. 11 at several β), and on three parts of the responses: the
+    action of a turn whose action uses its type's tool (`cpu_preset.tool_action`), the action of the other turns,
+    and the reasoning before the actions."""
+    tok_gap = torch.cat(diffs)
+    out = {"turns": len(diffs), "tokens": int(tok_gap.numel()), "mean_per_token": tok_gap.mean().item(),
+           "mean_abs_per_token": tok_gap.abs().mean().item(),
+           "turn_share_teacher_higher": float(sum(float(d.sum()) > 0 for d in diffs) / max(1, len(diffs))),
+           "mean_per_turn": float(sum(float(d.sum()) for d in diffs) / max(1, len(diffs))),
+           "share_abs_lt_0.01": (tok_gap.abs() < 0.01).float().mean().item(),
+           "share_gt_0.1": (tok_gap > 0.1).float().mean().item(), "share_lt_-0.1": (tok_gap < -0.1).float().mean().item(),
+           **{f"gate_mean_beta{b}": torch.sigmoid(b * tok_gap).mean().item() for b in GATE_BETAS}}
+    parts = {"action_tool": [], "action_other": [], "think": []}
+    for d, tr in zip(diffs, turns):
+        start = action_start(tok, tr.response_ids)
+        action = envs.parse_action(tr.response_text) or ""
+        parts["think"].append(d[:start])
+        parts["action_tool" if cpu_preset.tool_action(action, tr.task_type) else "action_other"].append(d[start:])
+    for name, xs in parts.items():
+        x = torch.cat(xs) if xs else torch.zeros(0)
+        out[f"tokens_{name}"] = int(x.numel())
+        out[f"gap_{name}"] = x.mean().item() if x.numel() else float("nan")
+        out[f"share_higher_{name}"] = (x > 0).float().mean().item() if x.numel() else float("nan")
+    return out
+
+
 def _task_of(gamefile: str) -> str:
     """The task sentence of a game, from the first observation of its stored walkthrough."""
     steps = json.loads(Path(gamefile).with_name("walkthrough.json").read_text())["steps"]
@@ -272,18 +313,15 @@ def main(argv=None):
           f"{100 * written['tool']:.0f}%, the object {100 * written['object']:.0f}%, the place {100 * written['place']:.0f}%")
 
     # the teacher's view of the student's own turns (no skill in the student's prompt)
-    student, teacher = [], []
-    for e in eps_none:
-        for tr in e.turns:
-            student.append((tr.prompt_ids, tr.response_ids))
-            teacher.append(rollout.teacher_pair(engine, tr, oracle[e.task_id], pool.task_prefix + e.task))
+    turns = [(e, tr) for e in eps_none for tr in e.turns]
+    student = [(tr.prompt_ids, tr.response_ids) for _, tr in turns]
     ls = rollout.score_tokens(model, student, tok.pad_token_id, "cpu", 32)
-    lt = rollout.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
-    tok_gap = torch.cat([t - s for t, s in zip(lt, ls)])
-    turn_gap = torch.stack([(t - s).sum() for t, s in zip(lt, ls)])
-    gap = {"turns": len(student), "tokens": int(tok_gap.numel()), "mean_per_token": tok_gap.mean().item(),
-           "mean_abs_per_token": tok_gap.abs().mean().item(), "turn_share_teacher_higher": (turn_gap > 0).float().mean().item(),
-           "mean_per_turn": turn_gap.mean().item()}
+    gaps = {}
+    for name in ("oracle", "generic"):
+        teacher = [rollout.teacher_pair(engine, tr, conds[name][e.task_id], pool.task_prefix + e.task) for e, tr in turns]
+        lt = rollout.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
+        gaps[name] = token_gaps([t - s for t, s in zip(lt, ls)], [tr for _, tr in turns], tok)
+    gap = gaps["oracle"]
 
     # each condition against none, paired over games (the same sampling seed in every condition)
     vs_none = {name: dict(zip(("gain", "se", "games"), rollout.paired_gain(games_won["none"], games_won[name])))
@@ -294,12 +332,20 @@ def main(argv=None):
     for name, r in results.items():
         print(f"{name:10s}" + "".join(f"{100 * r.get(c, float('nan')):8.1f}" for c in cols)
               + (f"   vs none {100 * vs_none[name]['gain']:+.1f} ± {100 * vs_none[name]['se']:.1f}" if name in vs_none else ""))
-    print(f"\nteacher (oracle skill) - student on the 'none' turns: {gap['mean_per_token']:+.4f} nat/token "
-          f"(|gap| {gap['mean_abs_per_token']:.4f}), {gap['mean_per_turn']:+.3f} nat/turn, teacher higher on "
-          f"{100 * gap['turn_share_teacher_higher']:.0f}% of {gap['turns']} turns")
+    for name, g in gaps.items():
+        print(f"\nteacher ({name} skill) - student on the 'none' turns: {g['mean_per_token']:+.4f} nat/token "
+              f"(|gap| {g['mean_abs_per_token']:.4f}), {g['mean_per_turn']:+.3f} nat/turn, teacher higher on "
+              f"{100 * g['turn_share_teacher_higher']:.0f}% of {g['turns']} turns")
+        print(f"  tokens with |gap| < 0.01: {100 * g['share_abs_lt_0.01']:.0f}%, > 0.1 above: "
+              f"{100 * g['share_gt_0.1']:.0f}%, below: {100 * g['share_lt_-0.1']:.0f}%; the gate σ(β·gap) averages "
+              + ", ".join(f"{g[f'gate_mean_beta{b}']:.3f} at β {b}" for b in GATE_BETAS))
+        for part in ("action_tool", "action_other", "think"):
+            if g[f"tokens_{part}"]:
+                print(f"  {part:13s} {g[f'tokens_{part}']:6d} tokens, gap {g[f'gap_{part}']:+.4f} nat/token, "
+                      f"teacher higher on {100 * g[f'share_higher_{part}']:.0f}%")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap,
+        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap, "gaps": gaps,
                                            "bank_facts": facts, "written": written}, indent=1))
         print(f"saved {a.out}")
 

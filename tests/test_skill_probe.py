@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,46 @@ def test_skill_probe_runs_every_condition(tmp_path):
     g = r["gap"]
     assert 6 <= g["turns"] <= 18 and g["tokens"] > g["turns"]   # 6 episodes of 1..3 turns, several tokens each
     assert g["mean_abs_per_token"] > 0   # the skill changes the prompt, so an untrained model's scores move
+    assert set(r["gaps"]) == {"oracle", "generic"} and r["gaps"]["oracle"] == g
+    for x in r["gaps"].values():          # every response token is in exactly one part
+        assert x["tokens_think"] + x["tokens_action_tool"] + x["tokens_action_other"] == x["tokens"] == g["tokens"]
+
+
+def test_token_gaps_split_the_action_of_tool_turns_from_the_rest():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import math
+    import skill_probe
+    from rollout import Turn
+
+    class Tok:                              # one word per token id
+        words = ["<think>", "x", "</think>", "<action>", "go", "to", "sinkbasin", "shelf", "1", "</action>"]
+
+        def decode(self, ids):
+            return " ".join(self.words[i] for i in ids)
+
+    def turn(action_ids):
+        ids = [0, 1, 2, 3, *action_ids, 9]
+        return Turn([1], ids, [], False, "g", "clean", 0, 0, 0, response_text=Tok().decode(ids))
+    tool, other = turn([4, 5, 6, 8]), turn([4, 5, 7, 8])   # go to sinkbasin 1 | go to shelf 1
+    assert skill_probe.action_start(Tok(), tool.response_ids) == 4   # "<action>" is token 3: the action from 4
+    assert skill_probe.action_start(Tok(), [0, 1]) == 2               # no action: all reasoning
+    d_tool = torch.tensor([0.0, 0.005, -0.2, 0.0, 0.5, 0.0, 2.0, 0.0, 0.0])
+    d_other = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, -0.5])
+    g = skill_probe.token_gaps([d_tool, d_other], [tool, other], Tok())
+    assert g["tokens"] == 18 and g["turns"] == 2
+    assert g["mean_per_token"] == pytest.approx((0.005 - 0.2 + 0.5 + 2.0 - 1.0 - 0.5) / 18)
+    assert g["mean_per_turn"] == pytest.approx((2.305 - 1.5) / 2) and g["turn_share_teacher_higher"] == 0.5
+    assert g["share_abs_lt_0.01"] == pytest.approx(13 / 18)
+    assert g["share_gt_0.1"] == pytest.approx(2 / 18) and g["share_lt_-0.1"] == pytest.approx(3 / 18)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert g["gate_mean_beta5"] == pytest.approx(
+        (13 * 0.5 - 0.5 + sig(0.025) + sig(-1.0) + sig(2.5) + sig(10.0) + sig(-5.0) + sig(-2.5)) / 18, abs=1e-6)
+    # the reasoning: the first 4 tokens of each turn; the actions: 5 tokens each
+    assert g["tokens_think"] == 8 and g["gap_think"] == pytest.approx((0.005 - 0.2) / 8)
+    assert g["tokens_action_tool"] == 5 and g["gap_action_tool"] == pytest.approx(2.5 / 5)
+    assert g["share_higher_action_tool"] == pytest.approx(2 / 5)
+    assert g["tokens_action_other"] == 5 and g["gap_action_other"] == pytest.approx(-1.5 / 5)
+    assert g["share_higher_action_other"] == 0.0
 
 
 def test_skill_probe_on_one_task_type(tmp_path):
