@@ -174,7 +174,8 @@ def token_gaps(diffs: list, turns: list, tok) -> dict:
            "turn_share_teacher_higher": float(sum(float(d.sum()) > 0 for d in diffs) / max(1, len(diffs))),
            "mean_per_turn": float(sum(float(d.sum()) for d in diffs) / max(1, len(diffs))),
            "share_abs_lt_0.01": (tok_gap.abs() < 0.01).float().mean().item(),
-           "share_gt_0.1": (tok_gap > 0.1).float().mean().item(), "share_lt_-0.1": (tok_gap < -0.1).float().mean().item(),
+           "share_gt_0.1": (tok_gap > 0.1).float().mean().item(),
+           "share_lt_-0.1": (tok_gap < -0.1).float().mean().item(),
            **{f"gate_mean_beta{b}": torch.sigmoid(b * tok_gap).mean().item() for b in GATE_BETAS}}
     parts = {"action_tool": [], "action_other": [], "think": []}
     for d, tr in zip(diffs, turns):
@@ -318,7 +319,8 @@ def main(argv=None):
     ls = rollout.score_tokens(model, student, tok.pad_token_id, "cpu", 32)
     gaps = {}
     for name in ("oracle", "generic"):
-        teacher = [rollout.teacher_pair(engine, tr, conds[name][e.task_id], pool.task_prefix + e.task) for e, tr in turns]
+        teacher = [rollout.teacher_pair(engine, tr, conds[name][e.task_id], pool.task_prefix + e.task)
+                   for e, tr in turns]
         lt = rollout.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
         gaps[name] = token_gaps([t - s for t, s in zip(lt, ls)], [tr for _, tr in turns], tok)
     gap = gaps["oracle"]
@@ -345,7 +347,8 @@ def main(argv=None):
                       f"teacher higher on {100 * g[f'share_higher_{part}']:.0f}%")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap, "gaps": gaps,
+        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap,
+                                           "gaps": gaps,
                                            "bank_facts": facts, "written": written}, indent=1))
         print(f"saved {a.out}")
 
