@@ -156,11 +156,16 @@ GATE_BETAS = (5, 50)
 
 def action_start(tok, response_ids: list[int]) -> int:
     """The index of the first response token whose prefix decodes to text holding "<action>" (the length when
-    none does): the tokens from there on are the action, those before it the reasoning."""
-    for i in range(1, len(response_ids) + 1):
-        if "<action>" in tok.decode(response_ids[:i]):
-            return i
-    return len(response_ids)
+    none does): the tokens from there on are the action, those before it the reasoning. A longer prefix holds
+    whatever a shorter one does, so a binary search finds it in log2(length) decodes."""
+    lo, hi = 1, len(response_ids) + 1     # the answer lies in [lo, hi]; hi = none holds it
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if "<action>" in tok.decode(response_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return min(lo, len(response_ids))
 
 
 def token_gaps(diffs: list, turns: list, tok) -> dict:

@@ -83,6 +83,7 @@ def test_token_gaps_split_the_action_of_tool_turns_from_the_rest():
     tool, other = turn([4, 5, 6, 8]), turn([4, 5, 7, 8])   # go to sinkbasin 1 | go to shelf 1
     assert skill_probe.action_start(Tok(), tool.response_ids) == 4   # "<action>" is token 3: the action from 4
     assert skill_probe.action_start(Tok(), [0, 1]) == 2               # no action: all reasoning
+    assert skill_probe.action_start(Tok(), [3, 4]) == 1 and skill_probe.action_start(Tok(), [0, 1, 2, 3]) == 4
     d_tool = torch.tensor([0.0, 0.005, -0.2, 0.0, 0.5, 0.0, 2.0, 0.0, 0.0])
     d_other = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, -0.5])
     g = skill_probe.token_gaps([d_tool, d_other], [tool, other], Tok())
