@@ -268,7 +268,8 @@ def kl_k3(
     mask: Tensor,
     n_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict]:
-    """k3 estimator of KL(π_θ‖π_ref) per token: exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1 (≥ 0), token mean.
+    """k3 estimator of KL(π_θ‖π_ref) per token, token mean:
+    exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1 (≥ 0).
 
     logp, ref_logp, mask: [B,L]. Metrics: kl/k3 (the returned value).
     """

@@ -174,10 +174,10 @@ def token_gaps(diffs: list, turns: list, tok) -> dict:
     action of a turn whose action uses its type's tool (`cpu_preset.tool_action`), the action of the other turns,
     and the reasoning before the actions."""
     tok_gap = torch.cat(diffs)
+    turn_gap = torch.stack([d.sum() for d in diffs])
     out = {"turns": len(diffs), "tokens": int(tok_gap.numel()), "mean_per_token": tok_gap.mean().item(),
            "mean_abs_per_token": tok_gap.abs().mean().item(),
-           "turn_share_teacher_higher": float(sum(float(d.sum()) > 0 for d in diffs) / max(1, len(diffs))),
-           "mean_per_turn": float(sum(float(d.sum()) for d in diffs) / max(1, len(diffs))),
+           "turn_share_teacher_higher": (turn_gap > 0).float().mean().item(), "mean_per_turn": turn_gap.mean().item(),
            "share_abs_lt_0.01": (tok_gap.abs() < 0.01).float().mean().item(),
            "share_gt_0.1": (tok_gap > 0.1).float().mean().item(),
            "share_lt_-0.1": (tok_gap < -0.1).float().mean().item(),
