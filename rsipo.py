@@ -19,6 +19,12 @@ Implemented (equation numbers are the ones in METHOD.md §2):
 * ``kl_k3``              KL_k3(π_θ‖π_ref) = TokenMean[exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1]
 * ``skill_advantages``   A^skill_q = g_q − mean{g_q' : c(q') = c(q)}                       (Eq. 5)
 * ``opsd_loss``          L_OPSD = TokenMean[λ_q · σ(β·sg(ℓ^T − ℓ)) · (ℓ^T − ℓ)]            (Eq. 11)
+* the teacher term's other estimators **[ours]** (METHOD.md §2.8.1), each multiplied by λ_q like Eq. (11):
+  ``signed_teacher_loss``  gradient λ·clip(ℓ − ℓ^T, ±c)·∇ℓ: on-policy distillation's advantage −(ℓ − ℓ^T) (Eq. 11b)
+  ``support_kl``           reverse KL(π_θ‖π_T) over the teacher's top-K tokens and one tail bucket (Eq. 11c),
+                           or over the whole vocabulary (Eq. 11d)
+  ``lowprob_loss``         the teacher-free control: advantage −1 on the tokens π_old gave less than τ (Eq. 11e)
+  ``teacher_loss``         one of the four by name (``TEACHER_LOSSES``), as ``rsipo_loss`` calls it
 * ``rsipo_loss``         L = L_PG + α·L_OPSD + η·L_skill + c_KL·KL_k3 − c_H·H              (Eq. 12)
 
 Deviations and choices not fixed by the paper
@@ -88,6 +94,8 @@ end-to-end optimisation with a ``torch.nn.Linear`` policy. CPU only, a few secon
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -102,6 +110,12 @@ __all__ = [
     "kl_k3",
     "skill_advantages",
     "opsd_loss",
+    "signed_teacher_loss",
+    "support_kl",
+    "lowprob_loss",
+    "teacher_loss",
+    "TEACHER_LOSSES",
+    "LOGP_FLOOR",
     "rsipo_loss",
     "step_returns",
     "step_advantages",
@@ -353,6 +367,152 @@ def opsd_loss(
 
 
 # ----------------------------------------------------------------------------------------------
+# The teacher term's other estimators [ours] (METHOD.md §2.8.1). Eq. (11) moves only the sampled token, and
+# only upwards; these follow the reverse KL from the skill-conditioned teacher more closely. λ multiplies each.
+
+TEACHER_LOSSES = ("gated", "signed", "topk", "full", "negative")
+
+LOGP_FLOOR = -30.0   # [ours] teacher log-probs are raised to this: a token the teacher rules out (−inf) costs
+                     # a finite 30 nats per unit of student mass instead of an infinite KL
+
+
+def signed_teacher_loss(
+    logp: Tensor,
+    teacher_logp: Tensor,
+    trust: Tensor,
+    mask: Tensor,
+    clip: float = 2.0,
+    n_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """Eq. (11b): the teacher as a per-token advantage A^T_t = −sg(clip(ℓ_t − ℓ^T_t, −c, c)), as in on-policy
+    distillation: L = TokenMean[λ · sg(clip(ℓ − ℓ^T)) · (ℓ − ℓ^T)], ℓ^T detached.
+
+    ∂L/∂ℓ_t = λ·clip(ℓ_t − ℓ^T_t)/n: descent lowers a sampled token the student rates above the teacher and
+    raises one it rates below, in proportion to the gap. With the sample drawn from π_θ, E[(ℓ − ℓ^T)∇ℓ] is the
+    gradient of the per-token reverse KL(π_θ‖π_T): this is its single-sample estimate, where Eq. (11) only
+    ever raises. The value is λ·clip(d)·d ≥ 0 (a clipped squared gap), not a KL. logp (with grad),
+    teacher_logp, mask: [B,L]; trust λ: [B] or [B,L]. Metrics: opsd/loss, opsd/gap_mean (ℓ^T − ℓ),
+    opsd/clip_frac, opsd/trust_mean.
+    """
+    lam = _per_token(trust.detach(), logp)  # [B,1] or [B,L]
+    d = _masked(logp - teacher_logp.detach().clamp(min=LOGP_FLOOR), mask)  # [B,L]  ℓ − ℓ^T, 0 outside the mask
+    weight = d.detach().clamp(-clip, clip)  # [B,L]  −A^T
+    loss = masked_token_mean(lam * weight * d, mask, n_tokens)  # Eq. (11b)
+    with torch.no_grad():
+        metrics = {
+            "opsd/loss": float(loss.detach()),
+            "opsd/gap_mean": -_local_mean(d, mask),
+            "opsd/clip_frac": _local_mean((d.abs() > clip).float(), mask),
+            "opsd/trust_mean": float(trust.detach().float().mean()) if trust.numel() else 0.0,
+        }
+    return loss, metrics
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 − exp(x)) for x < 0, stable at both ends (x is first lowered to at most −1e-6: a top-K that holds
+    all the mass up to float error leaves a tail of 1e-6, not log 0)."""
+    x = x.clamp(max=-1e-6)
+    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def support_kl(
+    student_logp: Tensor,
+    teacher_logp: Tensor,
+    trust: Tensor,
+    mask: Tensor,
+    tail: bool = True,
+    n_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """Eq. (11c)/(11d): the reverse KL from the teacher, KL(π_θ‖π_T) = Σ_v π_θ(v)·(log π_θ(v) − log π_T(v)),
+    over a support S of the teacher's choosing, trust-weighted: L = TokenMean[λ · KL_S].
+
+    student_logp, teacher_logp: [B,L,K] the log-probs of the same K tokens per position (the student's with
+    grad, gathered from its full log-softmax; the teacher's detached). tail (top-K, Eq. 11c): the mass outside
+    S is one more category, 1 − Σ_S π, for each side, so KL_S is the KL between two distributions over K + 1
+    outcomes: ≥ 0, at most the full KL (coarse-graining), equal to it when S is the whole vocabulary. Without
+    tail (Eq. 11d) S must be the whole vocabulary. Teacher log-probs are raised to LOGP_FLOOR; positions
+    outside the mask contribute neither value nor gradient (padded teacher rows may hold anything).
+    Gradient per student logit z_j (full vocabulary): λ·π_θ(j)·(log π_θ(j) − log π_T(j) − KL)/n.
+    Metrics: opsd/loss, opsd/kl (the token mean of KL_S without λ), opsd/tail_mass (the student's, tail only).
+    """
+    lam = _per_token(trust.detach(), student_logp[..., 0])  # [B,1] or [B,L]
+    m = mask.bool().unsqueeze(-1)  # [B,L,1]
+    s = torch.where(m, student_logp, student_logp.detach())  # [B,L,K]  outside the mask: no gradient
+    t = torch.where(m, teacher_logp.detach().clamp(min=LOGP_FLOOR), s.detach())  # [B,L,K]  KL 0 outside
+    kl = (s.exp() * (s - t)).sum(-1)  # [B,L]  Σ_S π_θ (log π_θ − log π_T)
+    if tail:
+        s_tail = _log1mexp(torch.logsumexp(s, -1))  # [B,L]  log(1 − Σ_S π_θ)
+        t_tail = _log1mexp(torch.logsumexp(t, -1)).clamp(min=LOGP_FLOOR)  # [B,L]
+        kl = kl + s_tail.exp() * (s_tail - t_tail)  # [B,L]  the tail bucket
+    loss = masked_token_mean(lam * kl, mask, n_tokens)  # Eq. (11c) / (11d)
+    with torch.no_grad():
+        metrics = {"opsd/loss": float(loss.detach()), "opsd/kl": _local_mean(kl, mask),
+                   "opsd/trust_mean": float(trust.detach().float().mean()) if trust.numel() else 0.0}
+        if tail:
+            metrics["opsd/tail_mass"] = _local_mean(s_tail.exp(), mask)
+    return loss, metrics
+
+
+def lowprob_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    trust: Tensor,
+    mask: Tensor,
+    threshold: float = 0.2,
+    n_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """Eq. (11e), the teacher-free control: a fixed advantage −1 on the sampled tokens that π_old gave a
+    probability below `threshold` τ, 0 elsewhere: L = TokenMean[λ · 1[ℓ_old < log τ] · ℓ]; descent lowers
+    those tokens (∂L/∂ℓ_t = λ/n on them). It uses no teacher, only which turns have one (λ), so a teacher
+    estimator that does no better than it has carried none of the teacher's information.
+    Metrics: opsd/loss, opsd/low_frac (the share of tokens it acts on), opsd/trust_mean.
+    """
+    lam = _per_token(trust.detach(), logp)  # [B,1] or [B,L]
+    low = (old_logp.detach() < math.log(threshold)) & mask.bool()  # [B,L]
+    loss = masked_token_mean(lam * low.to(logp.dtype) * _masked(logp, mask), mask, n_tokens)  # Eq. (11e)
+    with torch.no_grad():
+        metrics = {"opsd/loss": float(loss.detach()), "opsd/low_frac": _local_mean(low.float(), mask),
+                   "opsd/trust_mean": float(trust.detach().float().mean()) if trust.numel() else 0.0}
+    return loss, metrics
+
+
+def teacher_loss(
+    kind: str,
+    logp: Tensor,
+    trust: Tensor,
+    mask: Tensor,
+    *,
+    teacher_logp: Tensor | None = None,
+    old_logp: Tensor | None = None,
+    student_support: Tensor | None = None,
+    teacher_support: Tensor | None = None,
+    beta: float = 5.0,
+    clip: float = 2.0,
+    threshold: float = 0.2,
+    n_tokens: float | Tensor | None = None,
+) -> tuple[Tensor, dict]:
+    """The teacher term of Eq. (12) by name (``TEACHER_LOSSES``): gated (Eq. 11: teacher_logp), signed (Eq. 11b:
+    teacher_logp), topk (Eq. 11c) and full (Eq. 11d): student_support and teacher_support [B,L,K] (K = V for
+    full), negative (Eq. 11e: old_logp). An unknown kind or a missing input is a ValueError."""
+    needs = {"gated": ("teacher_logp",), "signed": ("teacher_logp",), "topk": ("student_support", "teacher_support"),
+             "full": ("student_support", "teacher_support"), "negative": ("old_logp",)}
+    if kind not in needs:
+        raise ValueError(f"teacher loss {kind!r}: must be one of {', '.join(TEACHER_LOSSES)}")
+    given = {"teacher_logp": teacher_logp, "old_logp": old_logp, "student_support": student_support,
+             "teacher_support": teacher_support}
+    missing = [k for k in needs[kind] if given[k] is None]
+    if missing:
+        raise ValueError(f"teacher loss {kind!r} needs {', '.join(missing)}")
+    if kind == "gated":
+        return opsd_loss(logp, teacher_logp, trust, mask, beta=beta, n_tokens=n_tokens)
+    if kind == "signed":
+        return signed_teacher_loss(logp, teacher_logp, trust, mask, clip=clip, n_tokens=n_tokens)
+    if kind == "negative":
+        return lowprob_loss(logp, old_logp, trust, mask, threshold=threshold, n_tokens=n_tokens)
+    return support_kl(student_support, teacher_support, trust, mask, tail=kind == "topk", n_tokens=n_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
 # Eq. (12): total loss for one kind of sample
 
 
@@ -375,6 +535,11 @@ def rsipo_loss(
     n_tokens: float | Tensor | None = None,
     pg_n_tokens: float | Tensor | None = None,
     reg_n_tokens: float | Tensor | None = None,
+    teacher_kind: str = "gated",
+    student_support: Tensor | None = None,
+    teacher_support: Tensor | None = None,
+    teacher_clip: float = 2.0,
+    low_threshold: float = 0.2,
 ) -> tuple[Tensor, dict]:
     """Eq. (12) for a batch of samples of one kind:
     L = pg_weight·L_PG + α·L_OPSD + c_KL·KL_k3 − c_H·H.
@@ -383,7 +548,9 @@ def rsipo_loss(
     Skill-writing samples: advantages = A^skill (Eq. 5), teacher_logp = None, pg_weight = η —
     the PG term is then η·L_skill; adding the two calls' losses gives Eq. (12) (deviation 3).
     A term is skipped when its input is None or its coefficient is 0: entropy=None or c_ent=0 →
-    no entropy bonus; ref_logp=None or c_kl=0 → no KL; teacher_logp=None or alpha=0 → no OPSD.
+    no entropy bonus; ref_logp=None or c_kl=0 → no KL; no teacher (teacher_logp and teacher_support
+    None) or alpha=0 → no OPSD. ``teacher_kind`` picks the teacher term's estimator (``teacher_loss``:
+    gated is Eq. 11; topk and full take ``student_support`` / ``teacher_support``, negative ``old_logp``).
     With no OPSD term this is exactly the GRPO loss (tested). All tensors [B,L] except
     advantages/trust ([B] or [B,L]). Token-mean denominators (deviation 9): ``n_tokens`` for the
     OPSD term, ``pg_n_tokens`` for the PG term and ``reg_n_tokens`` for KL and entropy, each
@@ -393,11 +560,13 @@ def rsipo_loss(
     reg_n = n_tokens if reg_n_tokens is None else reg_n_tokens
     pg, metrics = policy_loss(logp, old_logp, advantages, mask, clip_eps=clip_eps, n_tokens=pg_n)
     loss = pg_weight * pg  # Eq. (12) L_PG (or η·L_skill)
-    if teacher_logp is not None and alpha != 0.0:
+    if (teacher_logp is not None or teacher_support is not None) and alpha != 0.0:
         if trust is None:
-            raise ValueError("teacher_logp given without trust (pass ones for λ ≡ 1)")
-        opsd, m = opsd_loss(logp, teacher_logp, trust, mask, beta=beta, n_tokens=n_tokens)
-        loss = loss + alpha * opsd  # Eq. (12) α·L_OPSD
+            raise ValueError("a teacher given without trust (pass ones for λ ≡ 1)")
+        opsd, m = teacher_loss(teacher_kind, logp, trust, mask, teacher_logp=teacher_logp, old_logp=old_logp,
+                               student_support=student_support, teacher_support=teacher_support, beta=beta,
+                               clip=teacher_clip, threshold=low_threshold, n_tokens=n_tokens)
+        loss = loss + alpha * opsd  # Eq. (12) α·L_OPSD (Eq. 11, or 11b-11e by teacher_kind)
         metrics.update(m)
     if ref_logp is not None and c_kl != 0.0:
         kl, m = kl_k3(logp, ref_logp, mask, n_tokens=reg_n)
