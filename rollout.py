@@ -498,15 +498,21 @@ def collate(samples: list[tuple[list[int], list[int]]], pad_id: int, device):
     return ids.to(device), attn.to(device), targets.to(device), mask.to(device)
 
 
-def token_logprobs_of(model, ids, attn, targets, with_entropy=False):
+def token_logprobs_of(model, ids, attn, targets, with_entropy=False, with_all=False):
     """Log-probs [B, R] of `collate`'s targets (and the entropy [B, R]), from logits at the R positions
     that predict them (P-1 .. P+R-2; HF's `logits_to_keep`) and one shared fp32 log-softmax. Positions
-    count from each row's first real token, as in generation with left padding."""
+    count from each row's first real token, as in generation with left padding. `with_all`: a third value,
+    the whole fp32 log-softmax [B, R, V] (the teacher term's support, Eq. 11c-d; the same tensor, no copy)."""
     P = ids.shape[1] - targets.shape[1]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                                     # [B, P+R]
     keep = torch.arange(P - 1, ids.shape[1] - 1, device=ids.device)              # [R]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits   # [B, R, V]
-    return rsipo.logprobs_and_entropy(logits, targets, with_entropy)             # [B, R] fp32 each
+    if not with_all:
+        return rsipo.logprobs_and_entropy(logits, targets, with_entropy)         # [B, R] fp32 each
+    logp_all = torch.log_softmax(logits.float(), dim=-1)                         # [B, R, V]
+    lp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)           # [B, R]
+    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None         # [B, R]
+    return lp, ent, logp_all
 
 
 
@@ -518,10 +524,12 @@ def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[i
 
 
 @torch.no_grad()
-def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0) -> list[torch.Tensor]:
+def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0, support: int = 0) -> list:
     """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)].
     An FSDP2-sharded model (GPU: the policy under --engine vllm, the reference) runs the same number of
-    forwards on every rank (one-token dummies), then reshards (the root stays gathered otherwise)."""
+    forwards on every rank (one-token dummies), then reshards (the root stays gathered otherwise).
+    `support` K > 0: each sample gives (log-probs [r], the ids of the model's K most likely tokens at each
+    position [r, K] int32, their log-probs [r, K]); K < 0: (log-probs [r], None, the whole log-softmax [r, V])."""
     from torch.distributed.fsdp import FSDPModule
     n_all = [len(p) + len(r) for p, r in samples]
     order = sorted(range(len(samples)), key=n_all.__getitem__) if micro_tokens else list(range(len(samples)))
@@ -535,9 +543,16 @@ def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int 
         idx = [order[j] for j in groups[g]] if g < len(groups) else []
         chunk = [samples[i] for i in idx] or [([pad_id], [pad_id])]
         ids, attn, tgt, mask = collate(chunk, pad_id, device)
-        lp, _ = token_logprobs_of(model, ids, attn, tgt)                          # [B, R]
+        lp, _, logp_all = token_logprobs_of(model, ids, attn, tgt, with_all=True)   # [B, R], [B, R, V]
+        if support > 0:
+            top, top_ids = logp_all.topk(support, dim=-1)                         # [B, R, K] each
         for b, i in enumerate(idx):
-            out[i] = lp[b, :len(samples[i][1])].float().cpu()
+            r = len(samples[i][1])
+            out[i] = lp[b, :r].float().cpu()
+            if support > 0:
+                out[i] = (out[i], top_ids[b, :r].int().cpu(), top[b, :r].cpu())
+            elif support < 0:
+                out[i] = (out[i], None, logp_all[b, :r].cpu())
     model.train(was_training)
     if sharded:
         model.reshard()
@@ -564,13 +579,16 @@ def sampler_gap(pairs) -> dict[str, float]:
 
 def evaluate(engine, pool, games: list[str], *, repeats: int, seed: int, history_len: int, temperature: float,
              constrained: bool = False, source_of: Optional[dict[str, str]] = None,
-             stop: Optional[Callable[[], bool]] = None) -> tuple[dict, dict[str, float]]:
+             stop: Optional[Callable[[], bool]] = None,
+             skills: Optional[dict[str, str]] = None) -> tuple[dict, dict[str, float]]:
     """Success on held-out games (`repeats` episodes each, sampled at `temperature`, greedy at 0): the metrics
     (overall, per task type) and the success per game (for `paired_gain`); games split across ranks.
     `source_of` (task id → data source; search QA) adds the success per data source, `eval/success_<source>`,
     and their unweighted mean, `eval/success_source_mean`: the figure Search-R1 and its successors report
     (exact match per data set, then the mean over data sets). `stop`: as in `run_episodes` (the figures of an
-    evaluation cut short mean nothing; the caller drops them)."""
+    evaluation cut short mean nothing; the caller drops them). `skills` (game → skill): each game's episodes
+    carry its skill in every prompt (§2.9), the skill's worth in the prompt, paired with the same evaluation
+    without one (scripts/channel_check.py)."""
     mine = games[distributed.RANK::distributed.WORLD]
     # [ours] common random numbers, so that start-vs-end is paired and an unchanged policy scores the same
     # (the training RNG is left untouched). HF engine: every evaluation starts its rank's generator from
@@ -583,7 +601,9 @@ def evaluate(engine, pool, games: list[str], *, repeats: int, seed: int, history
         torch.manual_seed(seed + distributed.RANK)
         eps = run_episodes(engine, pool, [{pool.task_key: g} for g in mine], repeats, history_len=history_len,
                            temperature=temperature, greedy=temperature <= 0, constrained=constrained,
-                           seed=seed, stop=stop) if mine else []
+                           seed=seed, stop=stop,
+                           skills={j: skills[g] for j, g in enumerate(mine) if g in skills} if skills else None) \
+            if mine else []
     rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps), e.task_id) for e in eps]) for r in part]
     out = {"eval/success": float(np.mean([w for _, w, *_ in rows])) if rows else 0.0,
            "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for _, _, n, _ in rows])) if rows else 0.0}

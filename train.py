@@ -45,6 +45,7 @@ import math
 import random
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -64,6 +65,7 @@ from harness.run import (Preempted, Preemption, Run, Timer, build_policy, comput
 from harness.sft import load_sft_jsonl, sft
 from harness.calibration import calibrate
 from infra import distributed as D
+from infra.io import write_text
 from infra.distributed import (aligned_micro_batches, all_gather_obj, all_reduce, all_reduce_named, all_reduce_union,
                                print0, shard)
 from rollout import (Episode, Generation, Turn, by_task, collate, fit_prompt, run_episodes, sampler_gap, teacher_pair,
@@ -79,7 +81,7 @@ class TaskRecord:
     task_id: str
     task_type: str
     source: Optional[str] = None          # the outcome of the episode the skill was written from: "won" or "lost"
-                                          # ("generic": --teacher_skill generic); None = no skill written
+                                          # ("generic", "wrong": --teacher_skill); None = no skill written
     skill: Optional[str] = None           # Eq. (2): the parsed skill; None when invalid or not written
     rule_failed: bool = False             # the last answer parsed but broke the skill rule (--skill_rule)
     gain: Optional[float] = None          # g_q, Eq. (3); None until a replay measures it
@@ -116,6 +118,8 @@ class Sample:
     old: torch.Tensor                           # [r] log π_old of the response tokens
     ref: Optional[torch.Tensor] = None          # [r] log π_ref
     teacher: Optional[torch.Tensor] = None      # [r] ℓ^T: same tokens, skill in the prompt (§2.7)
+    teacher_ids: Optional[torch.Tensor] = None  # [r, K] int32: the teacher's top-K tokens (--teacher_loss topk)
+    teacher_dist: Optional[torch.Tensor] = None  # [r, K] their log-probs (topk), or [r, V] all of them (full)
     trust: float = 0.0                          # λ_q, Eq. (9); 0 wherever `teacher` is None (`score`)
     skill: bool = False                         # a skill-writing sample: weight η, no teacher
     turn: Optional[Turn] = None                 # the student turn it came from
@@ -162,6 +166,7 @@ def rl_step(run: Run, step: int) -> dict:
                     use_teacher=a.uses_skills)
     with timer("sync"):
         sync_weights(run)
+        follow_policy(run, step)
     step_time = {**timer.times, "time/step": time.time() - timer.t0}
     return step_row(run, step, b, samples, skill_samples, {**update_metrics, **step_time})
 
@@ -180,8 +185,10 @@ def rollout_and_advantages(run: Run) -> Batch:
     invalid = torch.tensor([tr.invalid for tr in turns])                      # [T]
     gid = torch.tensor([tr.group_id for tr in turns])                         # [T]
     adv = rsipo.group_advantages(rsipo.turn_scores(R, invalid, a.p_fmt), gid) if turns else torch.zeros(0)  # Eq. (1)
+    if a.distill_only:                    # [ours] reward off: the teacher term alone trains (channel_check.py)
+        adv = torch.zeros_like(adv)
     metrics = {}
-    if a.step_adv > 0 and turns:          # GiGPO's step term: turns that acted on the same observation
+    if a.step_adv > 0 and turns and not a.distill_only:   # GiGPO's step term: turns that acted on the same observation
         r = torch.tensor([eps[tr.episode_id].step_rewards[tr.step] for tr in turns]) - a.p_fmt * invalid.double()
         anchors: dict = {}
         aid = torch.tensor([anchors.setdefault((tr.group_id, eps[tr.episode_id].steps[tr.step][0]), len(anchors))
@@ -239,10 +246,10 @@ def write_skills(run: Run, b: Batch):
     fit writes no skill."""
     a = run.args
     b.skill_gens = [Generation("", [], [], [])] * len(b.records)
-    if a.teacher_skill == "generic":      # [ours] the diagnostic: every teacher gets its game's type-level workflow
-        for rec in b.records:
-            rec.source = "generic"
-            rec.skill = run.generic_skill(rec.task_id)
+    if a.teacher_skill != "own":          # [ours] the diagnostic: every teacher gets its game's type-level workflow
+        for rec in b.records:             # (generic), or the same with the wrong procedure (wrong)
+            rec.source = a.teacher_skill
+            rec.skill = run.given_skill(rec.task_id)
             rec.replay_ok = rec.skill is not None
         return
     chosen: list[Optional[Episode]] = []
@@ -437,7 +444,7 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
         pairs = [(sm.prompt_ids, sm.response_ids) for sm in group]
         for sm, o in zip(group, run.logprobs(old_model, pairs)):
             sm.old = o
-        for sm, r in zip(group, run.logprobs(run.ref, pairs) if run.ref is not None else []):
+        for sm, r in zip(group, run.logprobs(run.ref, pairs) if a.c_kl > 0 and run.ref is not None else []):
             sm.ref = r
     # the sampler's log-probs against π_old on the freely sampled tokens (T 1, top-p 1, unconstrained)
     b.metrics.update(sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
@@ -447,33 +454,85 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
                           run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
     fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
-    for j, lt in zip(fit, run.logprobs(old_model, [teach[j] for j in fit])):
-        kept[j].teacher = lt              # ℓ^T = log π_old(y | teacher prompt)
+    # [ours] whose weights score the teacher (--teacher_weights), and what of its distribution the loss needs
+    teacher_model = {"live": old_model, "frozen": run.ref}.get(a.teacher_weights, run.teacher)
+    support = {"topk": a.teacher_topk, "full": -1}.get(a.teacher_loss, 0)
+    for j, scored in zip(fit, run.logprobs(teacher_model, [teach[j] for j in fit], support)):
+        if support:                       # ℓ^T, and the teacher's top-K tokens (or all of them) for Eq. (11c-d)
+            kept[j].teacher, kept[j].teacher_ids, kept[j].teacher_dist = scored
+        else:
+            kept[j].teacher = scored      # ℓ^T = log π_T(y | teacher prompt)
     for sm in samples:
         if sm.teacher is None:            # no teacher for this turn: λ = 0
             sm.trust = 0.0
     b.teacher_overflow = len(kept) - len(fit)
+    b.metrics.update(skill_in_teacher_prompts(run, b, [kept[j] for j in fit], [teach[j][0] for j in fit]))
     b.metrics.update(teacher_gaps(run, [kept[j] for j in fit]))
     return samples, skill_samples
 
 
+def skill_in_teacher_prompts(run: Run, b: Batch, scored: list[Sample], prompts: list[list[int]]) -> dict:
+    """[ours] Proof that each teacher sees its skill: the skill's tokens (encoded alone, the tokenizer's unknown
+    token left out) that its teacher prompt holds beyond the student's prompt, all ranks. A teacher whose prompt
+    holds none of its skill stops the run: it would distil nothing, silently (a skill lost to truncation, or
+    written in words the tokenizer does not know). The run's first teacher prompt goes to teacher_prompt.txt."""
+    unk = run.tok.unk_token_id
+    seen, total = 0, 0
+    for sm, ids in zip(scored, prompts):
+        skill = b.records[sm.turn.group_id].skill
+        wanted = [t for t in run.tok.encode(skill, add_special_tokens=False) if t != unk]
+        head = next((i for i, (x, y) in enumerate(zip(ids, sm.prompt_ids)) if x != y),
+                    min(len(ids), len(sm.prompt_ids)))   # where the two prompts part
+        added = ids[head:len(ids) - (len(sm.prompt_ids) - head)]   # the tokens the skill line put in
+        found = sum((Counter(wanted) & Counter(added)).values())   # the skill's tokens among them
+        if not found:
+            raise RuntimeError(f"the teacher prompt of task {sm.turn.task_id} holds none of its skill {skill!r} "
+                               f"({len(wanted)} known tokens of it; the prompt adds {len(added)} tokens to the "
+                               f"student's): the teacher would not see its skill")
+        seen, total = seen + found, total + len(wanted)
+        path = run.run_dir / "teacher_prompt.txt"
+        if D.RANK == 0 and not path.exists():
+            write_text(path, f"skill ({found} of its {len(wanted)} known tokens in the prompt): {skill}\n\n"
+                       f"the teacher's prompt, as the model reads it ({len(ids)} tokens; the student's has "
+                       f"{len(sm.prompt_ids)}):\n{run.tok.decode(ids, skip_special_tokens=False)}\n")
+    t = all_reduce_named({"seen": seen, "total": total, "prompts": len(scored)})
+    return {"teacher/skill_tokens": t["seen"] / max(1, t["prompts"]),
+            "teacher/skill_token_share": t["seen"] / max(1, t["total"])} if t["prompts"] else {}
+
+
 def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
-    """[ours] How the teacher rates the student's own tokens before the update: ℓ^T − ℓ^old per token, over the
-    turns whose action uses the tool of its task type's procedure (the sink for clean: `Run.tool_action`, where
-    the preset knows it) and over the rest, all ranks. Where the teacher carries a procedure the student lacks,
-    the first is the larger."""
-    sums = {"tool": [0.0, 0.0], "other": [0.0, 0.0]}
+    """[ours] How the teacher rates the student's own tokens before the update, d = ℓ^T − ℓ^old per token, all
+    ranks: its mean, the share of tokens the gate of Eq. (11) would open (d > 0: σ(β·d) > ½), the sampled
+    estimates of KL(π_old‖π_T) (k1: mean −d; k3: mean e^d − d − 1), the mean by the turn's index in its episode,
+    and over the turns whose action uses the tool of its task type's procedure (the sink for clean:
+    `Run.tool_action`, where the preset knows it) against the rest. Where the teacher carries a procedure the
+    student lacks, the tool turns' gap is the larger."""
+    sums: dict[str, float] = {}
+
+    def add(key, d):
+        sums[f"{key}/sum"] = sums.get(f"{key}/sum", 0.0) + float(d.sum())
+        sums[f"{key}/n"] = sums.get(f"{key}/n", 0.0) + d.numel()
     for sm in scored:
+        d = (sm.teacher - sm.old).float()                                # [r]
         action = run.pool.parse_action(sm.turn.response_text) or ""
         kind = "tool" if run.tool_action is not None and run.tool_action(action, sm.turn.task_type) else "other"
-        sums[kind][0] += float((sm.teacher - sm.old).sum())
-        sums[kind][1] += len(sm.old)
-    tot = all_reduce([*sums["tool"], *sums["other"]])
+        add(f"gap_{kind}", d)
+        add("gap_mean", d)
+        add(f"gap_turn{min(sm.turn.step, 5)}", d)
+        add("gate_gt_half", (d > 0).float())
+        add("kl_k1", -d)
+        add("kl_k3", d.exp() - d - 1)
+    keys = [f"{k}/{x}" for k in ("gap_tool", "gap_other", "gap_mean", "gate_gt_half", "kl_k1", "kl_k3")
+            + tuple(f"gap_turn{t}" for t in range(6)) for x in ("sum", "n")]
+    tot = all_reduce_named({k: sums.get(k, 0.0) for k in keys})
     out = {}
-    for kind, (total, n) in zip(("tool", "other"), (tot[:2], tot[2:])):
-        if n:
-            out[f"teacher/gap_{kind}"] = float(total / n)
-            out[f"teacher/tokens_{kind}"] = int(n)
+    for key in dict.fromkeys(k.rsplit("/", 1)[0] for k in keys):
+        if tot[f"{key}/n"]:
+            name = key if key != "gap_turn5" else "gap_turn5plus"
+            out[f"teacher/{name}"] = float(tot[f"{key}/sum"] / tot[f"{key}/n"])
+    for kind in ("tool", "other"):
+        if tot[f"gap_{kind}/n"]:
+            out[f"teacher/tokens_{kind}"] = int(tot[f"gap_{kind}/n"])
     return out
 
 
@@ -536,7 +595,9 @@ def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: Token
     ids, attn, tgt, mask = collate([(s.prompt_ids, s.response_ids) for s in sub], pad_id, device)
     if empty:
         mask = mask * 0
-    logp, ent = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0)   # [B, R]
+    support = use_teacher and args.teacher_loss in ("topk", "full")   # Eq. (11c-d) need the whole log-softmax
+    logp, ent, *logp_all = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0,
+                                             with_all=support)                        # [B, R] (, [B, R, V])
     old = _place([s.old for s in sub], sub, logp.shape, device)
     if first:
         sums.add_first_gap((logp.detach() - old).abs() * mask, mask)
@@ -547,6 +608,7 @@ def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: Token
         # a sample without teacher log-probs has λ = 0 (`score` decides it); ℓ^T := ℓ fills its row
         no_teacher = torch.tensor([s.teacher is None for s in sub], device=device)[:, None]
         teacher = torch.where(no_teacher, logp.detach(), teacher)
+    student_support, teacher_support = teacher_support_of(sub, logp_all[0], args) if support else (None, None)
     adv = torch.tensor([s.adv for s in sub], device=device)                               # [B]
     trust = torch.tensor([s.trust for s in sub], device=device)                           # [B]
     n_tok = tokens.skill if skill else tokens.turn
@@ -554,9 +616,31 @@ def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: Token
         logp, old, adv, mask, entropy=ent, ref_logp=ref, teacher_logp=teacher,
         trust=trust if teacher is not None else None, clip_eps=args.clip_eps, beta=args.beta, alpha=args.alpha,
         c_kl=args.c_kl, c_ent=args.c_ent, pg_weight=args.eta if skill else 1.0, n_tokens=max(n_tok, 1.0),
-        pg_n_tokens=max(n_tok if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0))
+        pg_n_tokens=max(n_tok if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0),
+        teacher_kind=args.teacher_loss, student_support=student_support, teacher_support=teacher_support,
+        teacher_clip=args.teacher_clip, low_threshold=args.teacher_low)
     loss.backward()
     sums.add(step_metrics, skill, float(mask.sum()))
+
+
+def teacher_support_of(sub: list[Sample], logp_all: torch.Tensor, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. (11c-d)'s inputs [B, R, K]: the student's log-probs (with grad) on the teacher's support, its top-K
+    tokens at each position (topk) or the whole vocabulary (full), and the teacher's there. A row without a
+    teacher gets the student's own values (KL 0; `score` gave it λ = 0 as well)."""
+    B, R, V = logp_all.shape
+    if args.teacher_loss == "full":
+        student = logp_all                                                             # [B, R, V]
+    else:
+        ids = torch.zeros((B, R, args.teacher_topk), dtype=torch.long, device=logp_all.device)   # [B, R, K]
+        for b, s in enumerate(sub):
+            if s.teacher_ids is not None:
+                ids[b, :len(s.teacher_ids)] = s.teacher_ids.to(ids)
+        student = logp_all.gather(-1, ids)                                             # [B, R, K]
+    teacher = student.detach().clone()
+    for b, s in enumerate(sub):
+        if s.teacher_dist is not None:
+            teacher[b, :len(s.teacher_dist)] = s.teacher_dist.to(teacher)
+    return student, teacher
 
 
 def optimizer_step(model, opt, args: Args, metrics: dict, n_mini: int):
@@ -648,6 +732,17 @@ def sync_weights(run: Run):
         D.copy_params(run.rollout_model, run.model)   # one gathered tensor at a time
 
 
+def follow_policy(run: Run, step: int):
+    """[ours] The teacher's own weights after the update (--teacher_weights, METHOD.md §2.8.2): ema averages the
+    policy in (θ_T ← d·θ_T + (1 − d)·θ, d = --teacher_ema, once a step); refresh copies the policy every
+    --teacher_refresh steps. live (π_old) and frozen (the warm start) keep no weights of their own."""
+    a = run.args
+    if a.teacher_weights == "ema":
+        D.ema_params(run.teacher, run.model, a.teacher_ema)
+    elif a.teacher_weights == "refresh" and (step + 1) % a.teacher_refresh == 0:
+        D.ema_params(run.teacher, run.model, 0.0)
+
+
 def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples: list[Sample], extra: dict) -> dict:
     """The step's row of metrics.jsonl (totals over ranks, one collective), and its last won and lost episode
     (for the report)."""
@@ -689,6 +784,7 @@ def begin(run: Run):
     a = run.args
     run.model = shard(run.model, compute_dtype(a))
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+    run.teacher = teacher_copy(run)       # before resume: a checkpoint holds the teacher's weights too
     if resume(run):
         for _ in range(run.start):        # replay the task sampler: a resumed run draws the same tasks
             draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
@@ -698,6 +794,8 @@ def begin(run: Run):
             evaluate_start(run)           # a SIGTERM cut it short: the warm start was saved, its evaluation not
     else:
         warm_start(run)                   # syncs the rollout weights after SFT
+        if run.teacher is not None:       # the teacher starts as the warm-started policy
+            D.ema_params(run.teacher, run.model, 0.0)
         if a.eval:
             evaluate_start(run)
         run.ref = reference(run, resumed=False)
@@ -738,10 +836,11 @@ def evaluate_start(run: Run):
 
 
 def reference(run: Run, resumed: bool):
-    """The frozen KL reference, the warm-started policy (None without the KL term). GPU: read back from disk
-    in bf16 and FSDP2-sharded; CPU: a copy of the rollout weights (re-read from warm_start/ on resume)."""
+    """The frozen reference, the warm-started policy: the KL term's, and the teacher of --teacher_weights frozen
+    (None when neither needs it). GPU: read back from disk in bf16 and FSDP2-sharded; CPU: a copy of the rollout
+    weights (re-read from warm_start/ on resume)."""
     a = run.args
-    if a.c_kl <= 0:
+    if a.c_kl <= 0 and a.teacher_weights != "frozen":
         return None
     from transformers import AutoModelForCausalLM
     warm = run.run_dir / "warm_start"
@@ -756,6 +855,23 @@ def reference(run: Run, resumed: bool):
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def teacher_copy(run: Run):
+    """[ours] --teacher_weights ema | refresh: the teacher's own weights, fp32 (an average of steps at lr 1e-6
+    vanishes in bf16), filled from the policy once it is warm-started or from a checkpoint; None otherwise. A real
+    model on GPUs: FSDP2-sharded like the policy (`ema_params` then works shard by shard), 4 bytes a parameter
+    over the ranks (7B on 8 GPUs: 3.8 GB each); else a plain copy on every rank (CPU)."""
+    a = run.args
+    if a.teacher_weights not in ("ema", "refresh"):
+        return None
+    if run.device.type == "cuda" and dist.is_initialized() and a.model != "tiny":
+        teacher = D.load_sharded(run.model_path, torch.float32, run.device, compute_dtype(a))
+    else:
+        teacher = D.rollout_copy(run.model, torch.float32, run.device)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher.eval()
 
 
 def main(argv=None) -> dict:

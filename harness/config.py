@@ -32,6 +32,7 @@ from harness import cpu_preset
 from harness.cpu_preset import is_tiny
 from infra import distributed as D
 from infra.env_backends import SHORT_TASK_TYPES
+from rsipo import TEACHER_LOSSES
 
 
 # ---- The presets ---------------------------------------------------------------------------------------------
@@ -204,7 +205,29 @@ class Args:
                             "from a lost episode, the published description)")
     teacher_skill: str = arg("own", "[ours] a diagnostic of the teacher channel: the skill of each task's teacher is "
                              "own (written by the policy, Eq. 2) | generic (the tiny preset's type-level workflow of "
-                             "its game, privileged: the most the teacher term can carry; --algo opsd, ALFWorld)")
+                             "its game, privileged: the most the teacher term can carry; --algo opsd, ALFWorld) | "
+                             "wrong (the same sentence with another type's tool and verb: the wrong procedure, its "
+                             "control; types with a tool only)")
+    teacher_loss: str = arg("gated", "[ours] the teacher term's estimator (METHOD.md §2.8.1), λ times each: gated "
+                            "(Eq. 11, the paper's) | signed (Eq. 11b: advantage −clip(ℓ − ℓ^T)) | topk (Eq. 11c: "
+                            "reverse KL over the teacher's --teacher_topk tokens and a tail bucket) | full (Eq. 11d: "
+                            "over the whole vocabulary, at most 4,096 tokens) | negative (Eq. 11e: the teacher-free "
+                            "control, advantage −1 on tokens π_old gave less than --teacher_low)")
+    teacher_topk: int = arg(32, "[ours] K of --teacher_loss topk: the teacher's most likely tokens kept per position "
+                            "(8 bytes each a response token: an int32 id and an fp32 log-prob)")
+    teacher_clip: float = arg(2.0, "[ours] --teacher_loss signed: the per-token advantage is clipped to ± this (nats)")
+    teacher_low: float = arg(0.2, "[ours] --teacher_loss negative: τ, the π_old probability below which a sampled "
+                             "token gets advantage −1")
+    teacher_weights: str = arg("live", "[ours] whose weights score the teacher (METHOD.md §2.8.2): live (π_old, the "
+                               "paper's) | frozen (the warm start, the KL reference) | ema (an exponential moving "
+                               "average of the policy, --teacher_ema) | refresh (a snapshot of the policy renewed "
+                               "every --teacher_refresh steps)")
+    teacher_ema: float = arg(0.9, "[ours] --teacher_weights ema: the average's decay per RL step (0.9: the teacher's "
+                             "weights are a mean over about the last 10 steps)")
+    teacher_refresh: int = arg(4, "[ours] --teacher_weights refresh: RL steps between snapshots")
+    distill_only: bool = arg(False, "[ours] reward off: every turn's advantage is 0, so the update is the teacher term "
+                             "(with KL and entropy where their coefficients are not 0): context distillation alone, "
+                             "scripts/channel_check.py (opsd/rsipo)")
     skill_rule: bool = arg(True, "[ours] a skill that does not name its task's object and target (read off the task "
                            "line, envs.task_terms) is invalid like an unparsable one: retried once, then r_bad")
     alpha: float = arg(0.01, "α: OPSD coefficient, Eq. (12)")
@@ -265,8 +288,11 @@ class Args:
         for f, options in CHOICES.items():
             if getattr(self, f) not in options:
                 bad(f, f"must be one of {', '.join(map(str, options))}, got {getattr(self, f)!r}")
-        if self.teacher_skill == "generic" and (self.algo != "opsd" or self.env != "alfworld"):
-            bad("teacher_skill", f"generic needs --algo opsd and --env alfworld (got {self.algo}, {self.env})")
+        if self.teacher_skill != "own" and (self.algo != "opsd" or self.env != "alfworld"):
+            bad("teacher_skill", f"{self.teacher_skill} needs --algo opsd and --env alfworld (got {self.algo}, "
+                f"{self.env})")
+        if self.distill_only and not self.uses_skills:
+            bad("distill_only", f"needs a teacher (--algo opsd or rsipo): with --algo {self.algo} nothing would train")
         if self.calibrate and self.algo != "rsipo":
             bad("calibrate", f"> 0 needs --algo rsipo (got {self.algo})")
         missing = [f for f in cpu_preset.folder_list(self.sft_walkthroughs) if not Path(f).is_dir()]
@@ -300,21 +326,43 @@ class Args:
                 "--engine vllm")
 
 
+# [ours] --teacher_loss full keeps the teacher's whole distribution for every trained token, 4 bytes a vocabulary
+# entry: 16 KiB a token at this bound (the tiny preset's 300 words: 1.2 KiB). Qwen's 151,936 would be 594 KiB a
+# token, 285 GB for the ~480,000 response tokens of a 7B recipe step: there, --teacher_loss topk.
+FULL_VOCAB_MAX = 4096
+
+
+def check_teacher_support(a: Args, vocab: int):
+    """Refuse a teacher support the model's vocabulary cannot give: K above the vocabulary, or the whole
+    vocabulary (full) above FULL_VOCAB_MAX. Called once the model is loaded (build_policy)."""
+    if not a.uses_skills:
+        return
+    if a.teacher_loss == "topk" and a.teacher_topk > vocab:
+        raise SystemExit(f"error: --teacher_topk {a.teacher_topk} is more than the model's vocabulary ({vocab} "
+                         "tokens): use a smaller K, or --teacher_loss full")
+    if a.teacher_loss == "full" and vocab > FULL_VOCAB_MAX:
+        raise SystemExit(f"error: --teacher_loss full keeps the teacher's whole distribution, {vocab} log-probs "
+                         f"({4 * vocab / 1024:.0f} KiB) per response token, above the bound of {FULL_VOCAB_MAX} "
+                         "tokens: use --teacher_loss topk (--teacher_topk 32: 256 bytes a token)")
+
+
 # What Args.validate checks flag by flag: (flags, test, what the test asks), and each flag's options.
 RULES = [
     (("steps", "sft_steps", "eval_games", "eval_every", "save_every", "replay_m", "alpha", "eta", "calibrate",
       "history_len", "micro_tokens", "sft_micro_tokens", "skill_max_tokens", "step_adv"), lambda v: v >= 0, ">= 0"),
     (("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens",
       "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k", "retrieval_batch",
-      "sft_hold_out_repeat"), lambda v: v >= 1, "positive"),
+      "sft_hold_out_repeat", "teacher_topk", "teacher_refresh"), lambda v: v >= 1, "positive"),
     (("group_size",), lambda v: v >= 2, ">= 2 (a group of 1 has no advantage)"),
-    (("lr", "sft_lr", "dist_timeout", "retrieval_timeout"), lambda v: v > 0, "> 0"),
-    (("opsd_keep", "top_p", "step_gamma"), lambda v: 0 < v <= 1, "in (0, 1]"),
+    (("lr", "sft_lr", "dist_timeout", "retrieval_timeout", "teacher_clip"), lambda v: v > 0, "> 0"),
+    (("opsd_keep", "top_p", "step_gamma", "teacher_low"), lambda v: 0 < v <= 1, "in (0, 1]"),
+    (("teacher_ema",), lambda v: 0 <= v < 1, "in [0, 1)"),
     (("gpu_memory_utilization",), lambda v: 0 < v < 1, "in (0, 1)"),
 ]
 CHOICES = {"algo": ("grpo", "gigpo", "opsd", "rsipo"), "trust": ("eb", "raw", "one"), "env": ("alfworld", "search"),
            "replay_control": ("fresh", "split", "group"), "skill_groups": ("won", "all"),
-           "teacher_skill": ("own", "generic"),
+           "teacher_skill": ("own", "generic", "wrong"), "teacher_loss": TEACHER_LOSSES,
+           "teacher_weights": ("live", "frozen", "ema", "refresh"),
            "dtype": ("auto", "float32", "bfloat16"), "engine": ("hf", "vllm"), "vllm_sleep_level": (1, 2),
            "sft_hold_out_mode": cpu_preset.HOLD_OUT_MODES, "preset": ("heldout", "none")}
 

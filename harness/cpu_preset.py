@@ -249,6 +249,25 @@ def generic_skill_of_game(gamefile: str) -> str | None:
     return game_rule_skills(wt, with_place=False)[0] if wt.exists() else None
 
 
+WRONG_TOOL = {"clean": "cool", "heat": "clean", "cool": "heat"}   # [ours] the wrong-procedure control's swap
+
+
+def wrong_skill_of_game(gamefile: str) -> str | None:
+    """[ours] The wrong-procedure control of `generic_skill_of_game`: the same sentence with another type's tool and
+    verb (clean → "go to the fridge and cool the X with it", heat → the sinkbasin and clean, cool → the microwave
+    and heat), so that it shares everything with the right skill but the procedure (--teacher_skill wrong). None
+    where the game has no walkthrough.json or its type no tool (pick, look, pick2: no procedure to swap)."""
+    right = generic_skill_of_game(gamefile)
+    kind = game_truth(Path(gamefile).with_name("walkthrough.json"))["type"] if right else None
+    if kind not in TOOLS:
+        return None
+    (tool, verb), (wrong_tool, wrong_verb) = TOOLS[kind], TOOLS[WRONG_TOOL[kind]]
+    wrong = right.replace(f"go to the {tool} and {verb} the", f"go to the {wrong_tool} and {wrong_verb} the")
+    if wrong == right:
+        raise ValueError(f"wrong_skill_of_game: no '{tool}/{verb}' step to swap in {right!r}")
+    return wrong
+
+
 def tool_action(action: str, task_type: str) -> bool:
     """[ours] Whether an ALFWorld action uses the tool of its task type's procedure: for clean, going to the sink
     basin or cleaning with it (`TOOLS`); never for the types without a tool (pick, look, pick2)."""

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from harness import cpu_preset
-from harness.config import changed_defaults
+from harness.config import changed_defaults, check_teacher_support
 from harness.cpu_preset import is_tiny
 from infra import distributed as D
 from infra.distributed import (agreed_checkpoints, all_gather_obj, all_reduce, check_resume, full_state,
@@ -48,7 +48,8 @@ class Run:
     engine: Any = None                    # HFEngine over the rollout copy, or VLLMEngine
     rollout_model: Any = None             # [ours] the unsharded rollout weights (π_old) of the HF engine
     opt: Any = None
-    ref: Any = None                       # the frozen reference π_ref (the warm start) for the KL term
+    ref: Any = None                       # the frozen reference π_ref (the warm start): the KL term, the frozen teacher
+    teacher: Any = None                   # [ours] --teacher_weights ema | refresh: the teacher's own weights (fp32)
     model_path: str = ""
     task_rng: random.Random = None
     skill_rng: random.Random = None
@@ -65,15 +66,19 @@ class Run:
     preempt: Any = None                   # Preemption: SIGTERM → a checkpoint and exit 143
     skill_facts: Optional[Callable] = None   # [ours] (skill, task id) → what the skill gets right about its game,
                                              # or None; filled by a preset that knows the games (the tiny one)
-    generic_skill: Optional[Callable] = None  # [ours] task id → its type-level workflow (--teacher_skill generic)
+    given_skill: Optional[Callable] = None   # [ours] task id → the skill its teacher is given (--teacher_skill generic:
+                                             # its type-level workflow; wrong: the same with another type's tool)
     tool_action: Optional[Callable] = None    # [ours] (action, task type) → whether it uses the type's tool
 
     def stop_now(self) -> bool:           # this rank has seen SIGTERM: cut the current rollout or evaluation short
         return self.preempt is not None and self.preempt.seen
 
-    def logprobs(self, model, pairs):     # per-sample response log-probs under `model`, no grad
+    def logprobs(self, model, pairs, support: int = 0):   # per-sample response log-probs under `model`, no grad
         return score_tokens(model, pairs, self.tok.pad_token_id, self.device, self.args.micro_batch,
-                            self.args.micro_tokens)
+                            self.args.micro_tokens, support)
+
+    def saved_models(self) -> dict:       # what a checkpoint holds besides the policy and its optimizer
+        return {"teacher": self.teacher} if self.teacher is not None else {}
 
 
 class Timer:
@@ -182,7 +187,7 @@ def save(run: "Run", done: int):
         save_checkpoint(run.run_dir, run.model, run.opt, done, run.args,
                         {"summary": {k: v for k, v in run.summary.items() if k != "config"},
                          "skill_means": run.skill_means, "bank": run.bank.to_dict(),
-                         "skill_rng": all_gather_obj(run.skill_rng.getstate())})
+                         "skill_rng": all_gather_obj(run.skill_rng.getstate())}, run.saved_models())
     if D.RANK == 0 and run.args.algo == "rsipo":
         run.bank.save(run.run_dir / "skill_bank.json")
 
@@ -288,8 +293,26 @@ def setup(args) -> "Run":
                task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
                bank=SkillBank(args.bank_capacity),
                skill_facts=cpu_preset.skill_facts_of_game if args.env == "alfworld" else None,
-               generic_skill=cpu_preset.generic_skill_of_game if args.env == "alfworld" else None,
+               given_skill=given_skills(args, data),
                tool_action=cpu_preset.tool_action if args.env == "alfworld" else None)
+
+
+def given_skills(args, data: EnvData) -> Optional[Callable]:
+    """[ours] --teacher_skill generic | wrong: task id → the skill its teacher is given (`cpu_preset`), after a
+    check that every training task has one (a teacher without its skill would train on nothing, silently)."""
+    if args.env != "alfworld":
+        return None
+    given = {"generic": cpu_preset.generic_skill_of_game, "wrong": cpu_preset.wrong_skill_of_game}
+    if args.teacher_skill in given:
+        missing = [t for t in data.train if given[args.teacher_skill](t) is None]
+        if missing:
+            kinds = sorted({data.task_type[t] for t in missing})
+            raise SystemExit(
+                f"error: --teacher_skill {args.teacher_skill}: no skill for {len(missing)} of the {len(data.train)} "
+                f"training tasks (types {', '.join(kinds)}; e.g. {missing[0]}). generic needs the walkthrough.json "
+                "that scripts/alfworld_gen.py writes beside each game; wrong swaps the tool of clean, heat and cool "
+                "and has none for the other types: add --task_types clean,heat,cool")
+    return given.get(args.teacher_skill, cpu_preset.generic_skill_of_game)
 
 
 def build_policy(run: "Run"):
@@ -298,6 +321,7 @@ def build_policy(run: "Run"):
     run.model_path = resolve_model(a)
     run.model, run.tok = load_model_and_tokenizer(
         a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool), run.model_path, run.device)
+    check_teacher_support(a, run.model.config.vocab_size)
     # [ours] the skill-writing budget: --skill_max_tokens, or room for the longest skill parse_skill accepts
     run.skill_max_tokens = a.skill_max_tokens or skill_token_budget(
         lambda t: run.tok.encode(t, add_special_tokens=False), a.skill_max_words)
@@ -427,7 +451,8 @@ def resume(run: "Run") -> bool:
     """Load the newest checkpoint into the policy and optimizer, with the run's state saved beside it (step,
     skill bank and running means, RNG, metrics rows up to that step, env steps spent). False: none to load."""
     a = run.args
-    state = load_checkpoint(run.run_dir, run.model, run.opt) if a.resume and agreed_checkpoints(run.run_dir) else None
+    state = load_checkpoint(run.run_dir, run.model, run.opt, run.saved_models()) \
+        if a.resume and agreed_checkpoints(run.run_dir) else None
     if state is None:
         return False
     ex = state["extra"]

@@ -320,6 +320,30 @@ def copy_params(dst, src) -> int:
     return n
 
 
+@torch.no_grad()
+def ema_params(dst, src, decay: float) -> int:
+    """dst ← decay·dst + (1 − decay)·src, parameter by parameter; decay 0 copies. src may be FSDP2-sharded: a dst
+    sharded the same way (the same `shard` on the same ranks) is updated shard by shard on each rank with no
+    communication; a plain dst takes one gathered tensor at a time (a collective: every rank calls it). dst's
+    dtype is kept (an average in fp32 keeps the updates lr 1e-6 makes, which bf16 would round away)."""
+    into = {name.replace("_checkpoint_wrapped_module.", ""): q for name, q in dst.named_parameters()}
+    n = 0
+    for name, p in src.named_parameters():
+        q = into[name.replace("_checkpoint_wrapped_module.", "")]
+        if hasattr(q, "to_local"):        # both sharded alike: this rank's shards
+            q, t = q.to_local(), p.to_local()
+        else:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if decay == 0.0:
+            q.copy_(t)
+        else:
+            q.lerp_(t.to(q.dtype), 1.0 - decay)
+        n += 1
+    if n != len(into):
+        raise RuntimeError(f"ema_params: {n} parameters averaged into a model that has {len(into)}")
+    return n
+
+
 def full_state(model, rank0_only: bool = False) -> dict:
     """Full (unsharded) state dict on every rank (rank0_only: on rank 0, {} elsewhere), on CPU; a
     collective under FSDP2 (all ranks call it)."""
@@ -405,9 +429,10 @@ def _fsync(path: Path):   # a file's data, or a folder's entries, on disk before
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict):
+def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict, models: Optional[dict] = None):
     """Write <run>/ckpt/step_<step>: sharded, atomic (see above), then delete every other step_* but the
-    newest complete one before it. Collective under FSDP2: no rank ever holds the full state."""
+    newest complete one before it. Collective under FSDP2: no rank ever holds the full state. `models`: other
+    modules the run must resume with (name → module, e.g. an EMA teacher), saved beside the policy."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     from torch.utils._pytree import tree_leaves
@@ -430,6 +455,7 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict):
         state = {"model": msd, "optim": osd}
     else:
         state = {"model": get_model_state_dict(model)}
+    state.update({name: get_model_state_dict(m) for name, m in (models or {}).items()})
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     # gathered after dcp.save (whatever it might draw), so they are the states the run goes on with;
     # a collective, so past it every rank has written its shards
@@ -453,7 +479,7 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict):
 
 
 # Flags a resumed run must share with the checkpoint it resumes (the rest, e.g. --steps, may change).
-RESUME_MUST_MATCH = ("algo", "model", "env", "tiny_hidden", "tiny_layers", "seed")
+RESUME_MUST_MATCH = ("algo", "model", "env", "tiny_hidden", "tiny_layers", "seed", "teacher_weights")
 
 
 def check_resume(run_dir: Path, args):
@@ -491,7 +517,7 @@ def checkpoint_damage(d: Path) -> Optional[str]:
     return None
 
 
-def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
+def load_checkpoint(run_dir: Path, model, opt, models: Optional[dict] = None) -> Optional[dict]:
     """Restore the newest complete checkpoint that loads (collective under FSDP2): this rank's shards of the
     policy and AdamW, and its RNG states. The weights loaded must give the checksum saved with them
     (`param_checksum`), else the checkpoint does not load. Returns {"step", "rng", "extra", "path"}; None without
@@ -506,15 +532,19 @@ def load_checkpoint(run_dir: Path, model, opt) -> Optional[dict]:
             try:   # dcp.load raises on every rank when one rank's read fails
                 st = torch.load(d / "extra.pt", map_location="cpu", weights_only=False)
                 opt.state.clear()         # each try starts fresh: no state from a failed try's partial load
+                others = {name: get_model_state_dict(m) for name, m in (models or {}).items()}
                 if st.get("optim", True):
                     msd, osd = get_state_dict(model, opt)
-                    dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(d),
+                    dcp.load({"model": msd, "optim": osd, **others}, storage_reader=dcp.FileSystemReader(d),
                              no_dist=not dist.is_initialized())
                     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
                 else:                     # saved before the optimizer's first step: the weights alone, no state
                     msd = get_model_state_dict(model)
-                    dcp.load({"model": msd}, storage_reader=dcp.FileSystemReader(d), no_dist=not dist.is_initialized())
+                    dcp.load({"model": msd, **others}, storage_reader=dcp.FileSystemReader(d),
+                             no_dist=not dist.is_initialized())
                     set_model_state_dict(model, msd)
+                for name, m in (models or {}).items():
+                    set_model_state_dict(m, others[name])
                 got, want = param_checksum(model), st.get("checksum")
                 if want is not None and not np.allclose(got, want, rtol=1e-9, atol=0.0):
                     raise ValueError(f"the loaded weights give the checksum {got}, the saved ones gave {want}")

@@ -53,7 +53,7 @@ def test_write_skills_writes_one_skill_per_task_with_a_win_and_none_without():
 def test_generic_teacher_skill_gives_every_task_its_games_workflow_without_writing():
     args = T.Args(algo="opsd", group_size=2, teacher_skill="generic")
     run = _run(args, engine=None)
-    run.generic_skill = lambda task_id: f"the workflow of {task_id}"
+    run.given_skill = lambda task_id: f"the workflow of {task_id}"
     b = _batch([_group([0, 0], "a"), _group([10, 0], "b")], args)
     T.write_skills(run, b)                # an engine of None: nothing is generated
     assert [(r.source, r.skill, r.replay_ok) for r in b.records] == \

@@ -113,7 +113,9 @@ def test_skill_probe_on_one_task_type(tmp_path):
     skill_probe.main(["--model", str(tmp_path / "m"), "--types", "heat", "--games", "2", "--repeats", "1",
                       "--max_turns", "2", "--workers", "1", "--out", str(out)])
     r = json.loads(out.read_text())
-    assert list(r["success"]) == ["none", "oracle", "generic"]        # no other type to draw a wrong skill from
+    # no other type to draw a wrong-type skill from; heat has a tool, so the wrong-procedure skill is probed
+    assert list(r["success"]) == ["none", "oracle", "generic", "wrong"]
+    assert set(r["vs_none"]) == {"oracle", "generic", "wrong", "generic_minus_wrong"}
     assert all(set(c) == {"all", "heat"} for c in r["success"].values())
     assert r["written"]["won_episodes"] == round(r["success"]["none"]["all"] * 2)
     with pytest.raises(SystemExit) as e:

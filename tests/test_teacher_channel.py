@@ -1,5 +1,6 @@
 """The teacher channel's diagnostics: --teacher_skill generic (each game's type-level workflow as the teacher's
 skill) and the teacher − student gap on the tool actions of a procedure against the rest (train.teacher_gaps)."""
+import math
 import random
 import sys
 from pathlib import Path
@@ -10,8 +11,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
+import rollout  # noqa: E402
 import train as T  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import config, cpu_preset  # noqa: E402
+from infra import distributed as D  # noqa: E402
 from harness.run import Run  # noqa: E402
 from rollout import Turn  # noqa: E402
 
@@ -28,7 +31,7 @@ def test_tool_actions_of_each_type():
 def test_generic_teacher_skill_is_the_games_type_level_workflow():
     args = T.parse_args(["--algo", "opsd", "--teacher_skill", "generic"])
     run = Run(args, Path("."), torch.device("cpu"), None, [], None, skill_rng=random.Random(0),
-              generic_skill=cpu_preset.generic_skill_of_game)
+              given_skill=cpu_preset.generic_skill_of_game)
     b = T.Batch([{"gamefile": str(CLEAN)}], [], [], [], [T.TaskRecord(str(CLEAN), "clean")])
     T.write_skills(run, b)   # no engine: nothing is generated
     rec = b.records[0]
@@ -47,15 +50,155 @@ def test_teacher_gaps_split_tool_actions_from_the_rest():
 
     run = Run(T.Args(), Path("."), torch.device("cpu"), None, [], Pool(), tool_action=cpu_preset.tool_action)
 
-    def sample(action, teacher, old):
-        turn = Turn([1], [2, 3], [], False, "g", "clean", 0, 0, 0,
+    def sample(action, teacher, old, step=0):
+        turn = Turn([1], [2, 3], [], False, "g", "clean", 0, 0, step,
                     response_text=f"<think> </think> <action> {action} </action>")
         return T.Sample([1], [2, 3], 0.0, torch.tensor(old), teacher=torch.tensor(teacher), turn=turn)
     gaps = T.teacher_gaps(run, [sample("go to sinkbasin 1", [-1.0, -0.5], [-2.0, -1.5]),     # +1, +1
                                 sample("clean mug 1 with sinkbasin 1", [-1.0, -1.0], [-1.0, -4.0]),   # 0, +3
-                                sample("go to shelf 1", [-2.0, -2.0], [-1.0, -1.5])])    # -1, -0.5
+                                sample("go to shelf 1", [-2.0, -2.0], [-1.0, -1.5], step=7)])    # -1, -0.5
     assert gaps["teacher/gap_tool"] == pytest.approx(5 / 4) and gaps["teacher/tokens_tool"] == 4
     assert gaps["teacher/gap_other"] == pytest.approx(-0.75) and gaps["teacher/tokens_other"] == 2
+    # over all six tokens: d = 1, 1, 0, 3, -1, -0.5
+    assert gaps["teacher/gap_mean"] == pytest.approx(3.5 / 6) and gaps["teacher/kl_k1"] == pytest.approx(-3.5 / 6)
+    assert gaps["teacher/gate_gt_half"] == pytest.approx(3 / 6)          # d > 0 on 1, 1, 3
+    k3 = 2 * (math.e - 2) + (math.e ** 3 - 4) + math.exp(-1) + (math.exp(-0.5) - 0.5)
+    assert gaps["teacher/kl_k3"] == pytest.approx(k3 / 6)
+    assert gaps["teacher/gap_turn0"] == pytest.approx(5 / 4) and gaps["teacher/gap_turn5plus"] == pytest.approx(-0.75)
+    assert "teacher/gap_turn1" not in gaps                                # no turn there
     run.tool_action = None                    # no preset that knows the tools: every turn is "other"
-    assert set(T.teacher_gaps(run, [sample("go to sinkbasin 1", [0.0, 0.0], [0.0, 0.0])])) == {
-        "teacher/gap_other", "teacher/tokens_other"}
+    keys = set(T.teacher_gaps(run, [sample("go to sinkbasin 1", [0.0, 0.0], [0.0, 0.0])]))
+    assert {"teacher/gap_other", "teacher/tokens_other"} <= keys and not any("tool" in k for k in keys)
+
+
+# ---- the teacher's weights (--teacher_weights, METHOD.md §2.8.2) ------------------------------------------------
+
+def _linear(value: float) -> torch.nn.Module:
+    m = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.constant_(m.weight, value)
+    return m
+
+
+def test_ema_and_refresh_teachers_follow_the_policy_at_their_pace():
+    policy, teacher = _linear(1.0), _linear(0.0)
+    run = Run(T.Args(teacher_weights="ema", teacher_ema=0.9), Path("."), torch.device("cpu"), None, [], None)
+    run.model, run.teacher = policy, teacher
+    T.follow_policy(run, step=0)
+    assert torch.allclose(teacher.weight, torch.full((2, 2), 0.1))           # 0.9·0 + 0.1·1
+    torch.nn.init.constant_(policy.weight, 2.0)
+    T.follow_policy(run, step=1)
+    assert torch.allclose(teacher.weight, torch.full((2, 2), 0.9 * 0.1 + 0.1 * 2.0))
+    run.args, run.teacher = T.Args(teacher_weights="refresh", teacher_refresh=3), _linear(0.0)
+    for step in (0, 1):                                                       # not yet at the 3rd step's end
+        T.follow_policy(run, step)
+        assert run.teacher.weight.abs().sum() == 0
+    T.follow_policy(run, step=2)
+    assert torch.equal(run.teacher.weight, policy.weight)                     # a snapshot
+    for weights in ("live", "frozen"):                                        # no weights of their own
+        run.args, run.teacher = T.Args(teacher_weights=weights), None
+        T.follow_policy(run, step=0)
+
+
+def test_a_checkpoint_keeps_the_teachers_own_weights(tmp_path):
+    policy, teacher = _linear(1.0), _linear(0.25)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    D.save_checkpoint(tmp_path, policy, opt, 3, T.Args(), {}, models={"teacher": teacher})
+    torch.nn.init.constant_(teacher.weight, -5.0)
+    state = D.load_checkpoint(tmp_path, policy, opt, models={"teacher": teacher})
+    assert state["step"] == 3 and torch.allclose(teacher.weight, torch.full((2, 2), 0.25))
+
+
+@pytest.mark.parametrize("weights", ["live", "frozen", "ema", "refresh"])
+def test_score_asks_the_chosen_weights_for_the_teacher(tmp_path, weights):
+    # the reference and the teacher's own copy are made to differ from π_old: ℓ^T must be the chosen model's
+    argv = ["--algo", "opsd", "--teacher_skill", "generic", "--teacher_weights", weights, "--sft_steps", "0",
+            "--eval", "false", "--tasks_per_step", "2", "--group_size", "2", "--max_turns", "3", "--tiny_hidden",
+            "32", "--c_kl", "0", "--opsd_keep", "1", "--out_dir", str(tmp_path), "--run_name", weights]
+    run = T.setup(T.parse_args(argv))
+    try:
+        T.build_policy(run)
+        T.begin(run)
+        assert (run.ref is not None) == (weights == "frozen") and (run.teacher is not None) == (weights in ("ema", "refresh"))
+        with torch.no_grad():
+            for i, m in enumerate(x for x in (run.ref, run.teacher) if x is not None):
+                for p in m.parameters():
+                    p.add_(0.05 * (i + 1) * torch.randn_like(p))
+        b = T.rollout_and_advantages(run)
+        T.write_skills(run, b)
+        T.trust(run, b, T.share_records(b), replayed=False)
+        samples, _ = T.score(run, b)
+        chosen = {"live": run.rollout_model, "frozen": run.ref}.get(weights, run.teacher)
+        sm = next(s for s in samples if s.teacher is not None)
+        pair = rollout.teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
+                                    run.pool.task_prefix + b.eps[sm.turn.episode_id].task)
+        assert torch.allclose(sm.teacher, run.logprobs(chosen, [pair])[0], atol=1e-6)
+        if weights != "live":
+            assert not torch.allclose(sm.teacher, run.logprobs(run.rollout_model, [pair])[0], atol=1e-3)
+        text = (tmp_path / weights / "teacher_prompt.txt").read_text()
+        assert b.records[0].skill.split(";")[0].split()[-1] in text and "Skill for this task" in text
+        assert b.metrics["teacher/skill_tokens"] > 10 and 0.9 <= b.metrics["teacher/skill_token_share"] <= 1.0
+    finally:
+        T.teardown(run)
+
+
+def test_a_teacher_prompt_that_holds_none_of_its_skill_stops_the_run(tmp_path):
+    tok = cpu_preset.train_tiny_tokenizer(["go to the sinkbasin and clean the mug", "Your task is to: clean a mug"])
+    run = Run(T.Args(), tmp_path, torch.device("cpu"), None, [], None)
+    run.tok = tok
+    prompt = tok.encode("Your task is to: clean a mug", add_special_tokens=False)
+    turn = Turn(prompt, [1], [], False, "g", "clean", 0, 0, 0)
+    b = T.Batch([], [], [], [], [T.TaskRecord("g", "clean", skill="go to the sinkbasin")])
+    sm = T.Sample(prompt, [1], 0.0, torch.zeros(1), turn=turn)
+    line = tok.encode("Skill for this task: [go to the sinkbasin]", add_special_tokens=False)
+    seen = T.skill_in_teacher_prompts(run, b, [sm], [prompt[:5] + line + prompt[5:]])
+    assert seen == {"teacher/skill_tokens": 4, "teacher/skill_token_share": 1.0}
+    assert "go to the sinkbasin" in (tmp_path / "teacher_prompt.txt").read_text()
+    b.records[0].skill = "fetch zebras"                  # words the tokenizer does not know: all <unk>
+    with pytest.raises(RuntimeError, match="holds none of its skill"):
+        T.skill_in_teacher_prompts(run, b, [sm], [prompt[:5] + tok.encode("Skill for this task: [fetch zebras]",
+                                                                          add_special_tokens=False) + prompt[5:]])
+    b.records[0].skill = "go to the sinkbasin"           # a prompt the skill line never reached
+    with pytest.raises(RuntimeError, match="holds none of its skill"):
+        T.skill_in_teacher_prompts(run, b, [sm], [prompt])
+
+
+def test_teacher_support_gathers_the_students_log_probs_on_the_teachers_tokens():
+    logp_all = torch.log_softmax(torch.randn(2, 3, 6), -1)               # [B, R, V]
+    ids = torch.tensor([[5, 0], [1, 2]], dtype=torch.int32)              # sample 0: 2 positions, K = 2
+    dist = torch.tensor([[-0.1, -3.0], [-0.5, -1.0]])
+    with_teacher = T.Sample([1], [2, 3], 0.0, torch.zeros(2), teacher_ids=ids, teacher_dist=dist)
+    without = T.Sample([1], [2, 3, 4], 0.0, torch.zeros(3))
+    s, t = T.teacher_support_of([with_teacher, without], logp_all, T.Args(teacher_loss="topk", teacher_topk=2))
+    assert torch.equal(s[0, 0], logp_all[0, 0, [5, 0]]) and torch.equal(s[0, 1], logp_all[0, 1, [1, 2]])
+    assert torch.equal(t[0, :2], dist) and torch.equal(t[1], s[1].detach())   # no teacher: its own (KL 0)
+    full = T.Sample([1], [2, 3], 0.0, torch.zeros(2), teacher_dist=torch.log_softmax(torch.zeros(2, 6), -1))
+    s, t = T.teacher_support_of([full], logp_all[:1], T.Args(teacher_loss="full"))
+    assert s is logp_all[:1] or torch.equal(s, logp_all[:1])
+    assert torch.allclose(t[0, :2], torch.full((2, 6), -math.log(6))) and torch.equal(t[0, 2], logp_all[0, 2])
+
+
+def test_bad_teacher_options_are_refused_naming_the_flag(tmp_path):
+    for argv, flag in ((["--teacher_loss", "kl"], "--teacher_loss"), (["--teacher_weights", "old"], "--teacher_weights"),
+                       (["--teacher_ema", "1"], "--teacher_ema"), (["--teacher_topk", "0"], "--teacher_topk"),
+                       (["--algo", "grpo", "--distill_only", "true"], "--distill_only"),
+                       (["--algo", "rsipo", "--teacher_skill", "wrong"], "--teacher_skill")):
+        with pytest.raises(SystemExit, match=flag):
+            T.parse_args(argv)
+    a = T.parse_args(["--algo", "opsd", "--teacher_loss", "topk", "--teacher_topk", "301"])
+    with pytest.raises(SystemExit, match="--teacher_topk 301 is more than the model's vocabulary"):
+        config.check_teacher_support(a, 300)
+    config.check_teacher_support(a, 301)
+    with pytest.raises(SystemExit, match="--teacher_loss full"):
+        config.check_teacher_support(T.parse_args(["--algo", "opsd", "--teacher_loss", "full"]), 151_936)
+    # a wrong-procedure teacher has no skill for a type without a tool: refused before any worker starts
+    with pytest.raises(SystemExit, match="--teacher_skill wrong: no skill for"):
+        T.setup(T.parse_args(["--algo", "opsd", "--teacher_skill", "wrong", "--preset", "none", "--data_root",
+                              "data/alfworld", "--out_dir", str(tmp_path)]))
+
+
+def test_the_wrong_procedure_skill_swaps_only_the_tool_and_verb():
+    right, wrong = cpu_preset.generic_skill_of_game(str(CLEAN)), cpu_preset.wrong_skill_of_game(str(CLEAN))
+    assert "go to the sinkbasin and clean the" in right and "go to the fridge and cool the" in wrong
+    assert right.replace("sinkbasin and clean", "fridge and cool") == wrong
+    pick = next(g for g in sorted((ROOT / "data/alfworld/json_2.1.1/train").glob("pick_and_place_simple*/*/game.tw-pddl")))
+    assert cpu_preset.wrong_skill_of_game(str(pick)) is None and cpu_preset.generic_skill_of_game(str(pick))
