@@ -17,8 +17,8 @@ The arms (train.py flags on top of the common ones; `--arms` picks some):
   full_live      Eq. (11d), live teacher                 full_frozen  Eq. (11d), the frozen warm start
   negative       Eq. (11e): no teacher; advantage −1 on the sampled tokens π_old gave less than 0.2
   <BEST>_wrong   the BEST arm with the wrong-procedure skill (its right − wrong difference is paired by seed)
---quick runs BEST and gated_beta0 on 2 seeds (about 30 minutes on 2 cores from a clean checkout, the warm start
-included). One JSON: in_prompt_gain, in_prompt_se, in_prompt_wrong_gain, in_prompt_wrong_se, and per arm gain, se,
+--quick runs BEST and gated_beta0 on 2 seeds with 3 episodes per held-out game (train.py's 5 elsewhere), under 30
+minutes on 2 cores from a clean checkout, the warm start included. One JSON: in_prompt_gain, in_prompt_se, in_prompt_wrong_gain, in_prompt_wrong_se, and per arm gain, se,
 seeds (with each seed's start, end and gain, its eval curve, the means of its teacher diagnostics), transfer (gain /
 in_prompt_gain), and channel_right_minus_wrong.
 
@@ -160,7 +160,8 @@ def main(argv=None):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--setting", default="clean", choices=list(SETTINGS))
-    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, seeds 0 and 1")
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, seeds 0 and 1, 3 episodes a "
+                   "held-out game")
     p.add_argument("--arms", default="all", help=f"comma list of {', '.join([*ARMS, WRONG])}, or all")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--env_steps", type=int, default=0, help="env-step budget a run (0 = the setting's: clean 8,000, "
@@ -170,7 +171,7 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="the JSON to write; the runs go to its folder's runs/ (or --runs)")
     p.add_argument("--runs", default="", help="the folder of the runs (default: <folder of --out>/channel_runs)")
     a = p.parse_args(argv)
-    a.extra = extra
+    a.extra = (["--eval_repeats", "3"] if a.quick else []) + extra   # quick: the evaluations are half its time
     a.runs = a.runs or str(Path(a.out).resolve().parent / "channel_runs")
     a.env_steps = a.env_steps or SETTINGS[a.setting]["env_steps"]
     arms = QUICK if a.quick else ([*ARMS, WRONG] if a.arms == "all" else a.arms.split(","))
@@ -180,7 +181,7 @@ def main(argv=None):
     seeds = [0, 1] if a.quick else [int(s) for s in a.seeds.split(",")]
     ws = warm_start(a)
     out = {"setting": a.setting, "warm_start": str(ws), "env_steps": a.env_steps, "seeds": seeds,
-           "common_flags": COMMON + SETTINGS[a.setting]["train"] + extra,
+           "common_flags": COMMON + SETTINGS[a.setting]["train"] + a.extra,
            "command": "python scripts/channel_check.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     prompt_file = Path(a.runs) / "in_prompt.json"
     if not prompt_file.exists():
