@@ -62,7 +62,7 @@ class Turn:
     step: int
     prompt_text: str = ""
     response_text: str = ""
-    free: bool = True                          # sampler log-probs comparable with π_old (T 1, unconstrained)
+    free: bool = True                          # sampler log-probs comparable with π_old (top-p 1, unconstrained)
 
 
 @dataclass
@@ -78,6 +78,7 @@ class Episode:
     won: bool = False
     error: Optional[str] = None
     skill: Optional[str] = None                # skill in the prompt (replays / teacher), None = student
+    min_margin: float = math.inf               # greedy: the smallest top-1 − top-2 gap of any of its tokens
     overflow: int = 0                          # turns whose prompt did not fit even without history (invalid)
     step_rewards: list[float] = field(default_factory=list)   # the env's reward at each step
 
@@ -88,7 +89,9 @@ class Generation:
     token_ids: list[int]          # the response: up to and including the stop text's last token, no EOS, no padding
     logprobs: list[float]         # the sampler's log-prob of each token, under the distribution it was drawn from
     prompt_ids: list[int]
-    free: bool = True             # sampled at T 1, top-p 1, unconstrained: the log-probs are the trainer's π_old's
+    free: bool = True             # sampled (T > 0) at top-p 1, unconstrained: the log-probs are the trainer's π_old's
+                                  # at the sampling temperature
+    min_margin: float = math.inf  # greedy: the smallest top-1 − top-2 log-prob gap of its tokens (a near-tie)
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -165,17 +168,28 @@ class SamplerLogprobs:
     at step t is read from input_ids at step t + 1). `output_scores` would keep every step's [B, V]
     scores: about 62 GB at 64 prompts × 512 tokens with Qwen's 152k vocabulary."""
 
-    def __init__(self, temperature: float, top_p: float):
+    def __init__(self, temperature: float, top_p: float, margins: bool = False):
         self.temperature, self.top_p = temperature, top_p
         self.prev: Optional[torch.Tensor] = None      # [B, V] log-probs of the last step's distribution
         self.taken: list[torch.Tensor] = []           # [B] per generated token
+        self.margins: Optional[list[torch.Tensor]] = [] if margins else None   # [B] per step: top-1 − top-2
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.prev is not None:
             self.taken.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
         scores = top_p_mask(scores.float() / self.temperature, self.top_p)            # [B, V]
         self.prev = scores.log_softmax(-1)
+        if self.margins is not None:      # greedy: how near the chosen token came to a tie
+            top2 = self.prev.topk(2, dim=-1).values                               # [B, 2]
+            self.margins.append(torch.nan_to_num(top2[:, 0] - top2[:, 1], posinf=math.inf))
         return scores
+
+    def min_margins(self, lengths: list[int]) -> list[float]:
+        """Per row, the smallest top-1 − top-2 log-prob gap over its first `lengths[b]` tokens (inf: none)."""
+        if not self.margins:
+            return [math.inf] * len(lengths)
+        m = torch.stack(self.margins, dim=1).cpu()                                  # [B, steps]
+        return [float(m[b, :n].min()) if n else math.inf for b, n in enumerate(lengths)]
 
     def logprobs(self, new_tokens: torch.Tensor) -> torch.Tensor:
         """[B, T] log-probs of the generated tokens [B, T] (after generate returned)."""
@@ -230,6 +244,7 @@ class HFEngine:
             raise ValueError(f"HFEngine needs a pad token that is not EOS (pad {tokenizer.pad_token_id}, EOS "
                              f"{tokenizer.eos_token_id}): rollout.load_tokenizer picks one")
         self.pad_id = tokenizer.pad_token_id
+        self.batch_size = 64                    # prompts per `generate` call of the model
 
     def encode(self, prompt: str) -> list[int]:
         return chat_ids(self.tok, prompt)
@@ -240,10 +255,12 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[str], temperature: Optional[float] = None, greedy: bool = False,
                  allowed_responses: Optional[list[list[str]]] = None, max_new_tokens: Optional[int] = None,
-                 stop: bool = True, batch_size: int = 64, seeds: Optional[list[int]] = None) -> list[Generation]:
+                 stop: bool = True, batch_size: Optional[int] = None,
+                 seeds: Optional[list[int]] = None) -> list[Generation]:
         """`seeds` (one per prompt) is accepted for the vLLM engine's interface and not used: HF `generate`
         draws a batch's samples from one generator (`evaluate` seeds it for common random numbers)."""
         out: list[Generation] = []
+        batch_size = batch_size or self.batch_size
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i:i + batch_size]
             allow = allowed_responses[i:i + batch_size] if allowed_responses is not None else None
@@ -263,7 +280,7 @@ class HFEngine:
             attn[b, L - len(x):] = 1
         device = next(self.model.parameters()).device
         eos = self.eos_ids + (self.stop_ids if stop else [])
-        sampler = SamplerLogprobs(1.0 if greedy else temperature, 1.0 if greedy else self.top_p)
+        sampler = SamplerLogprobs(1.0 if greedy else temperature, 1.0 if greedy else self.top_p, margins=greedy)
         multi = stop and not self.stop_ids            # stop texts of several tokens: HF's stop-string criterion
         gc = neutral_generation_config(do_sample=not greedy, max_new_tokens=max_new_tokens or self.max_new_tokens,
                                        pad_token_id=self.pad_id, eos_token_id=eos,
@@ -284,14 +301,15 @@ class HFEngine:
             self.model.train(was_training)
         lp = sampler.logprobs(seqs)                                                  # [B, T]
         seqs = seqs.cpu()
-        free = not greedy and temperature == 1.0 and self.top_p >= 1.0 and allowed_responses is None
+        free = not greedy and self.top_p >= 1.0 and allowed_responses is None
         decode = lambda t: self.tok.decode(t, skip_special_tokens=False)             # noqa: E731
+        ends = [response_end(seqs[b].tolist(), decode, self.eos_ids, self.stop_ids if stop else (),
+                             self.stop_texts if stop and not self.stop_ids else ()) for b in range(len(prompts))]
+        margins = sampler.min_margins(ends)
         gens = []
-        for b in range(len(prompts)):
-            toks = seqs[b].tolist()
-            n = response_end(toks, decode, self.eos_ids, self.stop_ids if stop else (),
-                             self.stop_texts if stop and not self.stop_ids else ())
-            gens.append(Generation(decode(toks[:n]), toks[:n], lp[b, :n].tolist(), ids[b], free))
+        for b, n in enumerate(ends):
+            toks = seqs[b].tolist()[:n]
+            gens.append(Generation(decode(toks), toks, lp[b, :n].tolist(), ids[b], free, margins[b]))
         return gens
 
 
@@ -386,6 +404,7 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
         for i, p, g in zip(idx, prompts, gens):
             act = parse(g.text)
             ep = eps[i]
+            ep.min_margin = min(ep.min_margin, g.min_margin)
             ep.turns.append(Turn(prompt_ids=g.prompt_ids, response_ids=g.token_ids,
                                  sampler_logprobs=g.logprobs,
                                  invalid=act is None, task_id=ep.task_id, task_type=ep.task_type,
@@ -498,15 +517,19 @@ def collate(samples: list[tuple[list[int], list[int]]], pad_id: int, device):
     return ids.to(device), attn.to(device), targets.to(device), mask.to(device)
 
 
-def token_logprobs_of(model, ids, attn, targets, with_entropy=False, with_all=False):
+def token_logprobs_of(model, ids, attn, targets, with_entropy=False, with_all=False, temperature: float = 1.0):
     """Log-probs [B, R] of `collate`'s targets (and the entropy [B, R]), from logits at the R positions
     that predict them (P-1 .. P+R-2; HF's `logits_to_keep`) and one shared fp32 log-softmax. Positions
     count from each row's first real token, as in generation with left padding. `with_all`: a third value,
-    the whole fp32 log-softmax [B, R, V] (the teacher term's support, Eq. 11c-d; the same tensor, no copy)."""
+    the whole fp32 log-softmax [B, R, V] (the teacher term's support, Eq. 11c-d; the same tensor, no copy).
+    `temperature`: the logits are divided by it first, as verl does, so that the log-probs are those of the
+    distribution the tokens were sampled from (T ≤ 0, greedy, divides by 1)."""
     P = ids.shape[1] - targets.shape[1]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                                     # [B, P+R]
     keep = torch.arange(P - 1, ids.shape[1] - 1, device=ids.device)              # [R]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=keep).logits   # [B, R, V]
+    if temperature > 0 and temperature != 1.0:
+        logits = logits.float() / temperature                                    # [B, R, V] the sampler's
     if not with_all:
         return rsipo.logprobs_and_entropy(logits, targets, with_entropy)         # [B, R] fp32 each
     logp_all = torch.log_softmax(logits.float(), dim=-1)                         # [B, R, V]
@@ -524,12 +547,14 @@ def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[i
 
 
 @torch.no_grad()
-def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0, support: int = 0) -> list:
+def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0, support: int = 0,
+                 temperature: float = 1.0) -> list:
     """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)].
     An FSDP2-sharded model (GPU: the policy under --engine vllm, the reference) runs the same number of
     forwards on every rank (one-token dummies), then reshards (the root stays gathered otherwise).
     `support` K > 0: each sample gives (log-probs [r], the ids of the model's K most likely tokens at each
-    position [r, K] int32, their log-probs [r, K]); K < 0: (log-probs [r], None, the whole log-softmax [r, V])."""
+    position [r, K] int32, their log-probs [r, K]); K < 0: (log-probs [r], None, the whole log-softmax [r, V]).
+    `temperature`: as in `token_logprobs_of` (the sampling temperature of the responses)."""
     from torch.distributed.fsdp import FSDPModule
     n_all = [len(p) + len(r) for p, r in samples]
     order = sorted(range(len(samples)), key=n_all.__getitem__) if micro_tokens else list(range(len(samples)))
@@ -543,7 +568,7 @@ def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int 
         idx = [order[j] for j in groups[g]] if g < len(groups) else []
         chunk = [samples[i] for i in idx] or [([pad_id], [pad_id])]
         ids, attn, tgt, mask = collate(chunk, pad_id, device)
-        lp, _, logp_all = token_logprobs_of(model, ids, attn, tgt, with_all=True)   # [B, R], [B, R, V]
+        lp, _, logp_all = token_logprobs_of(model, ids, attn, tgt, with_all=True, temperature=temperature)
         if support > 0:
             top, top_ids = logp_all.topk(support, dim=-1)                         # [B, R, K] each
         for b, i in enumerate(idx):
@@ -577,6 +602,11 @@ def sampler_gap(pairs) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 # Evaluation on held-out tasks
 
+# [ours] A greedy token that beat the runner-up by less than this many nats is a near-tie: float noise of another
+# batch shape or world size (another padding, another matmul order) can flip it, and with it the episode.
+NEAR_TIE = 1e-3
+
+
 def evaluate(engine, pool, games: list[str], *, repeats: int, seed: int, history_len: int, temperature: float,
              constrained: bool = False, source_of: Optional[dict[str, str]] = None,
              stop: Optional[Callable[[], bool]] = None,
@@ -604,15 +634,18 @@ def evaluate(engine, pool, games: list[str], *, repeats: int, seed: int, history
                            seed=seed, stop=stop,
                            skills={j: skills[g] for j, g in enumerate(mine) if g in skills} if skills else None) \
             if mine else []
-    rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps), e.task_id) for e in eps]) for r in part]
+    rows = [r for part in all_gather_obj([(e.task_type, e.won, len(e.steps), e.task_id, e.min_margin) for e in eps])
+            for r in part]
     out = {"eval/success": float(np.mean([w for _, w, *_ in rows])) if rows else 0.0,
-           "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([n for _, _, n, _ in rows])) if rows else 0.0}
+           "eval/episodes": len(rows), "eval/mean_steps": float(np.mean([r[2] for r in rows])) if rows else 0.0}
+    if temperature <= 0:                  # greedy: episodes where a token won by less than NEAR_TIE
+        out["eval/near_ties"] = sum(r[4] < NEAR_TIE for r in rows)
     out.update({f"eval/success_{t}": v for t, v in mean_by((t, w) for t, w, *_ in rows).items()})
     if source_of and rows:
-        by_source = mean_by((source_of[g], w) for _, w, _, g in rows)
+        by_source = mean_by((source_of[r[3]], r[1]) for r in rows)
         out.update({f"eval/success_{src}": v for src, v in by_source.items()})
         out["eval/success_source_mean"] = float(np.mean(list(by_source.values())))
-    return out, mean_by((g, w) for _, w, _, g in rows)
+    return out, mean_by((r[3], r[1]) for r in rows)
 
 
 def by_task(xs: list, n: int) -> list[list]:

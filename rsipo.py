@@ -61,8 +61,10 @@ Deviations and choices not fixed by the paper
    (``n_tokens`` in the metrics is that local count, for token-weighted aggregation).
    ``pg/approx_kl`` is Schulman's k3 estimate of KL(π_old‖π_θ): (ρ − 1) − log ρ.
    ``pg/clip_frac`` counts tokens where the clipped branch is the active one (its gradient is 0).
-7. No clamping of the log-ratio in ``kl_k3`` or ``policy_loss`` (some implementations clamp to
-   ±10/±20); the values here are the textbook formulas, tested against hand-derived numbers.
+7. **verl's clamps, by default.** Eq. (10) has verl's dual clip (``clip_ratio_c`` 3: a negative-advantage
+   token's surrogate is at least c·A), and ``kl_k3`` verl's ``low_var_kl`` clamps (log-ratio to ±20, each
+   token's k3 to at most 10). ``None`` turns either off and gives the textbook formula; both are tested
+   against hand-derived numbers.
 8. **Masked before the exponential.** Log-ratios (ρ, the k3 KL, the teacher gap) are set to 0 at
    positions outside the mask *before* ``exp``: a padded position holds arbitrary numbers (the
    trainer fills ℓ_ref = 0 there), and exp(−ℓ) at ℓ < −88.7 is inf in fp32, which the mask's
@@ -78,12 +80,14 @@ Deviations and choices not fixed by the paper
    (``n_tokens``) the student tokens. The skill PG term stays η times its own token mean.
 10. **GiGPO's step-level advantage** (``step_returns``, ``step_advantages``): within a task's
    group, turns that acted on the identical observation (an anchor state) form a step group;
-   their γ-discounted returns G_t = r_t + γ·G_{t+1} (r_t the step's env reward minus the format
-   penalty) are normalised like Eq. (1) (unbiased std; a singleton or all-equal group gives 0).
-   The trainer adds ω·A_step to Eq. (1) (``--step_adv ω``; ``--algo gigpo``: GRPO with ω = 1,
-   γ = 0.95, verl-agent's published defaults). The episode term is this project's Eq. (1) over
-   turn-samples rather than verl-agent's over episodes **[ours]**. With no repeated state the
-   step term is 0 and the advantage is exactly Eq. (1) (tested).
+   their step scores are normalised like Eq. (1) (unbiased std; a singleton or all-equal group gives
+   0). As in verl-agent, a step's score is its γ-discounted return of the env rewards alone, G_t =
+   r_t + γ·G_{t+1} over every step of the episode (a step whose turn was dropped keeps its place in
+   the chain), minus the format penalty of that turn alone (the penalty is not discounted into
+   earlier turns). The trainer adds ω·A_step to Eq. (1) (``--step_adv ω``; ``--algo gigpo``: GRPO
+   with ω = 1, γ = 0.95, verl-agent's published defaults). The episode term is over turn-samples, as
+   verl-agent's default (``compute_mean_std_cross_steps``). With no repeated state the step term is 0
+   and the advantage is exactly Eq. (1) (tested).
 
 Testing
 -------
@@ -136,12 +140,13 @@ def turn_scores(episode_reward: Tensor, invalid: Tensor, p_fmt: float) -> Tensor
     return r - p_fmt * invalid.to(r.dtype)  # [T]  step 1: format penalty per turn
 
 
-def group_advantages(scores: Tensor, group_ids: Tensor, stabilizer: float = 1e-6) -> Tensor:
+def group_advantages(scores: Tensor, group_ids: Tensor, stabilizer: float = 1e-6, std_norm: bool = True) -> Tensor:
     """Eq. (1): A = (s − mean_g s) / (std_g s + stabilizer) over all turn-samples sharing a group id.
 
     scores: [T] float; group_ids: [T] long (any integers, e.g. the task index). Unbiased std
-    (n − 1); a group of one sample gets std 0, hence advantage 0 (deviation 1). Vectorised with
-    ``index_add_``; statistics in float64, result in the scores' dtype. Returns [T].
+    (n − 1); a group of one sample gets std 0, hence advantage 0 (deviation 1). ``std_norm`` False is
+    verl-agent's ``mean_norm``: A = s − mean_g s, no division (a tied group is still exactly 0). Vectorised
+    with ``index_add_``; statistics in float64, result in the scores' dtype. Returns [T].
     """
     if scores.numel() == 0:
         return scores.clone()
@@ -155,7 +160,8 @@ def group_advantages(scores: Tensor, group_ids: Tensor, stabilizer: float = 1e-6
     std = (sq / (count - 1).clamp(min=1)).sqrt()  # [G] unbiased; single-sample group -> 0
     std_t = std[inv]  # [T]
     # zero spread (single sample or all-equal group) means dev == 0: advantage 0, even for stabilizer = 0
-    adv = torch.where(std_t > 0, dev / (std_t + stabilizer), torch.zeros_like(dev))  # [T]  Eq. (1)
+    scale = std_t + stabilizer if std_norm else torch.ones_like(std_t)  # [T]  mean_norm: no division
+    adv = torch.where(std_t > 0, dev / scale, torch.zeros_like(dev))  # [T]  Eq. (1)
     out_dtype = scores.dtype if scores.is_floating_point() else torch.get_default_dtype()
     return adv.to(out_dtype)
 
@@ -178,11 +184,11 @@ def step_returns(step_rewards: Tensor, episode_ids: Tensor, gamma: float = 0.95)
     return out.to(step_rewards.dtype if step_rewards.is_floating_point() else torch.get_default_dtype())
 
 
-def step_advantages(returns: Tensor, anchor_ids: Tensor, stabilizer: float = 1e-6) -> Tensor:
-    """GiGPO's step-level advantage: Eq. (1)'s normalisation of the step returns within anchor-state
+def step_advantages(returns: Tensor, anchor_ids: Tensor, stabilizer: float = 1e-6, std_norm: bool = True) -> Tensor:
+    """GiGPO's step-level advantage: Eq. (1)'s normalisation of the step scores within anchor-state
     groups (turns of one task's group that acted on the identical observation). anchor_ids: [T] any
     integers; a turn alone in its group gets 0. Returns [T]."""
-    return group_advantages(returns, anchor_ids, stabilizer)
+    return group_advantages(returns, anchor_ids, stabilizer, std_norm)
 
 # ----------------------------------------------------------------------------------------------
 # Log-probs, entropy, token mean
@@ -250,11 +256,14 @@ def policy_loss(
     mask: Tensor,
     clip_eps: float = 0.2,
     n_tokens: float | Tensor | None = None,
+    clip_ratio_c: float | None = 3.0,
 ) -> tuple[Tensor, dict]:
-    """Eq. (10): L_PG = −TokenMean[min(ρA, clip(ρ, 1−ε, 1+ε)A)], ρ = exp(ℓ − ℓ_old).
+    """Eq. (10): L_PG = −TokenMean[min(ρA, clip(ρ, 1−ε, 1+ε)A)], ρ = exp(ℓ − ℓ_old), with verl's dual clip:
+    where A < 0 the token's surrogate is at least c·A (``clip_ratio_c`` c = 3, verl's default; None = off), so a
+    negative-advantage token whose ratio has grown past c adds −c·A to the loss and no gradient.
 
     logp, old_logp, mask: [B,L]; advantages: [B] (broadcast over tokens) or [B,L].
-    Metrics: pg/loss, pg/clip_frac, pg/ratio_mean, pg/approx_kl, n_tokens.
+    Metrics: pg/loss, pg/clip_frac, pg/dual_clip_frac, pg/ratio_mean, pg/approx_kl, n_tokens.
     """
     A = _per_token(advantages, logp)  # [B,1] or [B,L]
     log_ratio = _masked(logp - old_logp.detach(), mask)  # [B,L]  0 outside the mask (note 8)
@@ -262,6 +271,11 @@ def policy_loss(
     surr1 = ratio * A  # [B,L]  ρA
     surr2 = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A  # [B,L]  clip(ρ)A
     surr = torch.minimum(surr1, surr2)  # [B,L]
+    dual = torch.zeros_like(surr, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        floor = clip_ratio_c * A.expand_as(surr)  # [B,L]  c·A
+        dual = (A < 0) & (surr < floor)  # [B,L] the dual clip is active (zero gradient)
+        surr = torch.where(dual, floor, surr)  # [B,L]  max(min(ρA, clip(ρ)A), c·A) where A < 0
     loss = -masked_token_mean(surr, mask, n_tokens)  # Eq. (10)
     with torch.no_grad():
         clipped = (surr2 < surr1).float()  # [B,L] the clipped branch is active (zero gradient)
@@ -269,6 +283,7 @@ def policy_loss(
         metrics = {
             "pg/loss": float(loss.detach()),
             "pg/clip_frac": _local_mean(clipped, mask),
+            "pg/dual_clip_frac": _local_mean(dual.float(), mask),
             "pg/ratio_mean": _local_mean(ratio, mask),
             "pg/approx_kl": _local_mean(approx_kl, mask),
             "n_tokens": float(mask.float().sum()),
@@ -281,16 +296,26 @@ def kl_k3(
     ref_logp: Tensor,
     mask: Tensor,
     n_tokens: float | Tensor | None = None,
+    clamp: float | None = 10.0,
 ) -> tuple[Tensor, dict]:
     """k3 estimator of KL(π_θ‖π_ref) per token, token mean:
     exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1 (≥ 0).
 
-    logp, ref_logp, mask: [B,L]. Metrics: kl/k3 (the returned value).
+    ``clamp`` (verl's ``low_var_kl``, its default 10; None = the bare formula): the log-ratio is first held to
+    ±20 and each token's k3 to at most ``clamp``, so a token far below the reference adds at most ``clamp``
+    and no gradient (unclamped, one token 10 nats below adds e^10 ≈ 2·10⁴ to the gradient's scale).
+    logp, ref_logp, mask: [B,L]. Metrics: kl/k3 (the returned value), kl/clamp_frac.
     """
     d = _masked(ref_logp.detach() - logp, mask)  # [B,L]  0 outside the mask, before exp (note 8)
+    if clamp is not None:
+        d = d.clamp(-20.0, 20.0)  # [B,L]  as verl, before exp
     k3 = d.exp() - d - 1.0  # [B,L] ≥ 0, 0 iff ℓ = ℓ_ref
+    clamped = torch.zeros_like(k3, dtype=torch.bool)
+    if clamp is not None:
+        clamped = k3 > clamp
+        k3 = k3.clamp(max=clamp)  # [B,L]
     loss = masked_token_mean(k3, mask, n_tokens)  # KL term of Eq. (12)
-    return loss, {"kl/k3": float(loss.detach())}
+    return loss, {"kl/k3": float(loss.detach()), "kl/clamp_frac": _local_mean(clamped.float(), mask)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -540,6 +565,8 @@ def rsipo_loss(
     teacher_support: Tensor | None = None,
     teacher_clip: float = 2.0,
     low_threshold: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    kl_clamp: float | None = 10.0,
 ) -> tuple[Tensor, dict]:
     """Eq. (12) for a batch of samples of one kind:
     L = pg_weight·L_PG + α·L_OPSD + c_KL·KL_k3 − c_H·H.
@@ -558,7 +585,8 @@ def rsipo_loss(
     """
     pg_n = n_tokens if pg_n_tokens is None else pg_n_tokens
     reg_n = n_tokens if reg_n_tokens is None else reg_n_tokens
-    pg, metrics = policy_loss(logp, old_logp, advantages, mask, clip_eps=clip_eps, n_tokens=pg_n)
+    pg, metrics = policy_loss(logp, old_logp, advantages, mask, clip_eps=clip_eps, n_tokens=pg_n,
+                              clip_ratio_c=clip_ratio_c)
     loss = pg_weight * pg  # Eq. (12) L_PG (or η·L_skill)
     if (teacher_logp is not None or teacher_support is not None) and alpha != 0.0:
         if trust is None:
@@ -569,7 +597,7 @@ def rsipo_loss(
         loss = loss + alpha * opsd  # Eq. (12) α·L_OPSD (Eq. 11, or 11b-11e by teacher_kind)
         metrics.update(m)
     if ref_logp is not None and c_kl != 0.0:
-        kl, m = kl_k3(logp, ref_logp, mask, n_tokens=reg_n)
+        kl, m = kl_k3(logp, ref_logp, mask, n_tokens=reg_n, clamp=kl_clamp)
         loss = loss + c_kl * kl  # Eq. (12) c_KL·KL_k3(π_θ‖π_ref)
         metrics.update(m)
     if entropy is not None and c_ent != 0.0:

@@ -41,6 +41,7 @@ Choices, all **[ours]** (METHOD.md §5 gives the reasons):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import shutil
@@ -160,6 +161,11 @@ def rl_step(run: Run, step: int) -> dict:
                 calibrate(run, b, step)
     with timer("score"):
         samples, skill_samples = score(run, b)
+    reason = idle_reason(a, b, samples, skill_samples)
+    if reason:                            # [ours] a step that trains nothing says so, once, and is counted
+        print0(f"warning: step {step + 1} updates nothing: {reason}")
+        run.summary["update/idle_steps"] = run.summary.get("update/idle_steps", 0) + 1
+        b.metrics.update({"update/idle": 1, "update/idle_reason": reason})
     check()                               # the last point to abandon: the update changes the weights
     with timer("update"):
         update_metrics = update(run.model, run.opt, samples + skill_samples, a, run.tok.pad_token_id, run.device,
@@ -171,33 +177,79 @@ def rl_step(run: Run, step: int) -> dict:
     return step_row(run, step, b, samples, skill_samples, {**update_metrics, **step_time})
 
 
+def idle_reason(a: Args, b: Batch, samples: list[Sample], skill_samples: list[Sample]) -> Optional[str]:
+    """Why no sample of the step, on any rank, carries a learning signal (a policy gradient, a trusted teacher
+    or a skill-writing advantage), or None when one does (a collective)."""
+    turns, invalid, pg, taught, skill = all_reduce([
+        len(b.turns), sum(tr.invalid for tr in b.turns), sum(s.adv != 0 for s in samples),
+        sum(s.trust > 0 for s in samples) if a.alpha > 0 else 0,
+        sum(s.adv != 0 for s in skill_samples) if a.eta else 0])
+    if pg or taught or skill:
+        return None
+    if not turns:
+        return "no turn was played"
+    why = ("the reward is off (--distill_only)" if a.distill_only else
+           "every turn was invalid (no parsable action), so every group is tied" if invalid == turns else
+           "every group is tied (all its turns scored alike), so every advantage is 0")
+    return why + ("; and no turn has a trusted teacher (λ = 0)" if a.uses_skills and a.alpha > 0 else "")
+
+
 def rollout_and_advantages(run: Run) -> Batch:
-    """Student rollouts (§2.1): N episodes of each of this rank's tasks from the same start, then Eq. (1)
-    over each task's turn-samples, with the format penalty of unparsable turns."""
+    """Student rollouts (§2.1): N episodes of each of this rank's tasks from the same start, then their
+    advantages (`advantages`). An episode that an env error cut short (a worker crash, a timeout) is no outcome of
+    the policy: its turns are left out of the group statistics and the update, as of the success rate
+    (`train/env_errors` counts them)."""
     a = run.args
     N = run.args.group_size
     picks = draw_tasks(run.task_rng, run.data.train_types, a.tasks_per_step, a.tasks_by_type)
     tasks = [{run.pool.task_key: run.data.train[i]} for i in picks[D.RANK::D.WORLD]]
     eps = run_episodes(run.engine, run.pool, tasks, N, history_len=a.history_len, temperature=a.temperature,
                        constrained=a.constrained, reserve=run.skill_reserve, stop=run.stop_now)   # group id = task k
-    turns = [tr for e in eps for tr in e.turns]
+    turns = policy_turns(eps)
+    adv, metrics = advantages(eps, turns, a)
+    records = [TaskRecord(t[run.pool.task_key], group[0].task_type) for t, group in zip(tasks, by_task(eps, N))]
+    return Batch(tasks, eps, turns, adv, records, metrics=metrics)
+
+
+def policy_turns(eps: list[Episode]) -> list[Turn]:
+    """The turns of the episodes that ended without an env error: the outcomes of the policy."""
+    return [tr for e in eps if e.error is None for tr in e.turns]
+
+
+def advantages(eps: list[Episode], turns: list[Turn], a: Args) -> tuple[list[float], dict]:
+    """Eq. (1) over each task's turn-samples (`turns`, indexed into `eps` by episode id), with the format penalty of
+    unparsable turns; `--adv_norm mean` leaves out the division by the std (verl-agent's mean_norm). GiGPO's step
+    term (`--step_adv` ω): each step's γ-discounted return of the env rewards over every step of its episode (a
+    step whose turn was dropped keeps its place), minus that turn's own format penalty, as verl-agent scores a
+    step; normalised within anchor-state groups (the turns of a task's group that acted on the same observation).
+    `--distill_only`: every advantage 0. Returns one advantage per turn and the metrics."""
+    std_norm = a.adv_norm == "mean_std"
+    if not turns or a.distill_only:       # [ours] reward off: the teacher term alone trains (channel_check.py)
+        return [0.0] * len(turns), {}
     R = torch.tensor([eps[tr.episode_id].reward for tr in turns])             # [T] episode rewards
     invalid = torch.tensor([tr.invalid for tr in turns])                      # [T]
     gid = torch.tensor([tr.group_id for tr in turns])                         # [T]
-    adv = rsipo.group_advantages(rsipo.turn_scores(R, invalid, a.p_fmt), gid) if turns else torch.zeros(0)  # Eq. (1)
-    if a.distill_only:                    # [ours] reward off: the teacher term alone trains (channel_check.py)
-        adv = torch.zeros_like(adv)
+    adv = rsipo.group_advantages(rsipo.turn_scores(R, invalid, a.p_fmt), gid, std_norm=std_norm)   # [T] Eq. (1)
     metrics = {}
-    if a.step_adv > 0 and turns and not a.distill_only:   # GiGPO's step term: turns that acted on the same observation
-        r = torch.tensor([eps[tr.episode_id].step_rewards[tr.step] for tr in turns]) - a.p_fmt * invalid.double()
+    if a.step_adv > 0:                    # GiGPO's step term
+        score = step_scores(eps, turns, a.step_gamma, a.p_fmt)                # [T]
         anchors: dict = {}
         aid = torch.tensor([anchors.setdefault((tr.group_id, eps[tr.episode_id].steps[tr.step][0]), len(anchors))
                             for tr in turns])                                  # [T] anchor-state group ids
-        G = rsipo.step_returns(r, torch.tensor([tr.episode_id for tr in turns]), a.step_gamma)   # [T]
-        adv = adv + a.step_adv * rsipo.step_advantages(G, aid).to(adv.dtype)
+        adv = adv + a.step_adv * rsipo.step_advantages(score, aid, std_norm=std_norm).to(adv.dtype)
         metrics["gigpo/anchored_frac"] = float((torch.bincount(aid)[aid] > 1).float().mean())
-    records = [TaskRecord(t[run.pool.task_key], group[0].task_type) for t, group in zip(tasks, by_task(eps, N))]
-    return Batch(tasks, eps, turns, adv.tolist(), records, metrics=metrics)
+    return adv.tolist(), metrics
+
+
+def step_scores(eps: list[Episode], turns: list[Turn], gamma: float, p_fmt: float) -> torch.Tensor:
+    """GiGPO's score of each turn's step, as verl-agent computes it: G_t = r_t + γ·G_{t+1} over every step of the
+    episode's env rewards (a step whose turn was dropped keeps its place in the chain), then that turn's own
+    format penalty, s_t = G_t − p_fmt·invalid_t (an invalid turn lowers only its own row). Returns [T] float64."""
+    G = {k: rsipo.step_returns(torch.tensor(eps[k].step_rewards, dtype=torch.float64),
+                               torch.zeros(len(eps[k].step_rewards), dtype=torch.long), gamma)
+         for k in {tr.episode_id for tr in turns}}                           # episode → [steps] returns
+    invalid = torch.tensor([tr.invalid for tr in turns], dtype=torch.float64)
+    return torch.stack([G[tr.episode_id][tr.step] for tr in turns]) - p_fmt * invalid
 
 
 def draw_tasks(rng: random.Random, types: list[str], n: int, by_type: bool) -> list[int]:
@@ -440,13 +492,15 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     # π_old, the weights that sampled: the rollout copy on the HF engine; with vLLM the FSDP2 policy itself,
     # whose weights vLLM holds (synced after the last update, and this step's update has not run)
     old_model = run.rollout_model if run.rollout_model is not None else run.model
-    for group in (skill_samples, samples):
+    # every log-prob at the temperature its tokens were sampled at, as verl (`sampled_at`)
+    for group, temp in ((skill_samples, sampled_at(a, True)), (samples, sampled_at(a, False))):
         pairs = [(sm.prompt_ids, sm.response_ids) for sm in group]
-        for sm, o in zip(group, run.logprobs(old_model, pairs)):
+        for sm, o in zip(group, run.logprobs(old_model, pairs, temperature=temp)):
             sm.old = o
-        for sm, r in zip(group, run.logprobs(run.ref, pairs) if a.c_kl > 0 and run.ref is not None else []):
+        for sm, r in zip(group, run.logprobs(run.ref, pairs, temperature=temp)
+                         if a.c_kl > 0 and run.ref is not None else []):
             sm.ref = r
-    # the sampler's log-probs against π_old on the freely sampled tokens (T 1, top-p 1, unconstrained)
+    # the sampler's log-probs against π_old on the freely sampled tokens (top-p 1, unconstrained)
     b.metrics.update(sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
                                  + [(sm.old, b.skill_gens[k].logprobs) for sm, k in zip(skill_samples, skill_tasks)
                                     if b.skill_gens[k].free]))
@@ -457,7 +511,7 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     # [ours] whose weights score the teacher (--teacher_weights), and what of its distribution the loss needs
     teacher_model = {"live": old_model, "frozen": run.ref}.get(a.teacher_weights, run.teacher)
     support = {"topk": a.teacher_topk, "full": -1}.get(a.teacher_loss, 0)
-    for j, scored in zip(fit, run.logprobs(teacher_model, [teach[j] for j in fit], support)):
+    for j, scored in zip(fit, run.logprobs(teacher_model, [teach[j] for j in fit], support, sampled_at(a, False))):
         if support:                       # ℓ^T, and the teacher's top-K tokens (or all of them) for Eq. (11c-d)
             kept[j].teacher, kept[j].teacher_ids, kept[j].teacher_dist = scored
         else:
@@ -469,6 +523,14 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     b.metrics.update(skill_in_teacher_prompts(run, b, [kept[j] for j in fit], [teach[j][0] for j in fit]))
     b.metrics.update(teacher_gaps(run, [kept[j] for j in fit]))
     return samples, skill_samples
+
+
+def sampled_at(a: Args, skill: bool) -> float:
+    """The temperature the trainer divides the logits by: the one a kind of sample was drawn at (rollouts at
+    --temperature, skill-writing at --skill_temperature; greedy, T ≤ 0, at 1). verl does the same; at any other
+    temperature the update would be off-policy without saying so."""
+    t = a.skill_temperature if skill else a.temperature
+    return t if t > 0 else 1.0
 
 
 def skill_in_teacher_prompts(run: Run, b: Batch, scored: list[Sample], prompts: list[list[int]]) -> dict:
@@ -539,24 +601,26 @@ def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
 # ---- The update, Eq. (10)-(12) -----------------------------------------------------------------------------------
 
 def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_teacher: bool):
-    """One epoch over this rank's samples in mini-batches (Eq. 10-12). Within a mini-batch the
-    student turns and the skill-writing samples run as separate calls (rsipo.py note 3) with three
-    token means over all ranks (rsipo.py note 9) [ours]: the PG term over the turns that carry a policy
-    gradient (the A ≠ 0 ones under --drop_zero_adv: GRPO's own sample set), OPSD over the student
-    turns, KL and entropy over every trained token; the skill PG term is η times its own token mean.
-    All ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
+    """One epoch over the samples of every rank in mini-batches of --mini_batch samples (Eq. 10-12). The mini-batches
+    are those one rank holding every sample would cut after one shuffle (`distributed.global_mini_batches`), each
+    dealt out equally over the ranks, so the update does not depend on the number of ranks or on how unequal their
+    episodes were. Within a mini-batch the student turns and the skill-writing samples run as separate calls
+    (rsipo.py note 3) with three token means over all ranks (rsipo.py note 9) [ours]: the PG term over the turns
+    that carry a policy gradient (the A ≠ 0 ones under --drop_zero_adv: GRPO's own sample set), OPSD over the
+    student turns, KL and entropy over every trained token; the skill PG term is η times its own token mean. All
+    ranks run the same number of micro-batches (FSDP2), padding with zero-weight dummies."""
     if use_teacher and any(s.trust and s.teacher is None for s in samples):
         raise ValueError("a sample with λ > 0 has no teacher log-probs (score sets λ = 0 for those)")
-    order = list(range(len(samples)))
-    random.shuffle(order)
-    per_rank = max(1, args.mini_batch // D.WORLD)
-    n_mini = int(all_reduce(math.ceil(len(samples) / per_rank), "max")[0])
-    sums = UpdateSums(n_mini)
-    metrics = {}
+    t0 = time.time()
+    seed = all_gather_obj(random.getrandbits(63))[0]   # rank 0's draw: one shuffle for every rank
+    minis, n_samples = D.global_mini_batches([dataclasses.replace(s, turn=None) for s in samples],
+                                             [len(s.prompt_ids) + len(s.response_ids) for s in samples],
+                                             args.mini_batch, seed)
+    sums = UpdateSums(len(minis))
+    metrics = {"update/samples": n_samples, "time/deal": time.time() - t0}   # the exchange's cost
     dummy = Sample([pad_id], [pad_id], 0.0, torch.zeros(1))
     model.train()
-    for m in range(n_mini):
-        chunk = [samples[i] for i in order[m * per_rank:(m + 1) * per_rank]]
+    for m, chunk in enumerate(minis):
         opt.zero_grad(set_to_none=True)
         tokens = token_counts(chunk, args.drop_zero_adv)
         for skill in (False, True):   # student turns, then skill-writing samples
@@ -567,7 +631,7 @@ def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_te
             for sub, empty in aligned_micro_batches(part, lengths, args.micro_batch, args.micro_tokens, dummy):
                 micro_step(model, sub, skill, empty, tokens, args, pad_id, device, use_teacher and not skill, sums,
                            first=m == 0)
-        optimizer_step(model, opt, args, metrics, n_mini)
+        optimizer_step(model, opt, args, metrics, len(minis))
     return {**metrics, **sums.reduce(samples)}
 
 
@@ -596,8 +660,8 @@ def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: Token
     if empty:
         mask = mask * 0
     support = use_teacher and args.teacher_loss in ("topk", "full")   # Eq. (11c-d) need the whole log-softmax
-    logp, ent, *logp_all = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0,
-                                             with_all=support)                        # [B, R] (, [B, R, V])
+    logp, ent, *logp_all = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0, with_all=support,
+                                             temperature=sampled_at(args, skill))   # [B, R] (, [B, R, V])
     old = _place([s.old for s in sub], sub, logp.shape, device)
     if first:
         sums.add_first_gap((logp.detach() - old).abs() * mask, mask)
@@ -618,7 +682,8 @@ def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: Token
         c_kl=args.c_kl, c_ent=args.c_ent, pg_weight=args.eta if skill else 1.0, n_tokens=max(n_tok, 1.0),
         pg_n_tokens=max(n_tok if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0),
         teacher_kind=args.teacher_loss, student_support=student_support, teacher_support=teacher_support,
-        teacher_clip=args.teacher_clip, low_threshold=args.teacher_low)
+        teacher_clip=args.teacher_clip, low_threshold=args.teacher_low, clip_ratio_c=args.clip_ratio_c or None,
+        kl_clamp=args.kl_clamp or None)
     loss.backward()
     sums.add(step_metrics, skill, float(mask.sum()))
 
@@ -748,7 +813,8 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
     (for the report)."""
     eps = b.eps + b.replay_eps
     t = all_reduce_named({
-        "won": sum(e.won for e in b.eps), "episodes": len(b.eps), "reward": sum(e.reward for e in b.eps),
+        "won": sum(e.won for e in b.eps), "episodes": sum(e.error is None for e in b.eps),
+        "reward": sum(e.reward for e in b.eps if e.error is None),
         "invalid": sum(tr.invalid for tr in b.turns), "turns": len(b.turns),
         "env_errors": sum(e.error is not None for e in b.eps), "turns_updated": len(samples),
         "gen_tokens": sum(len(tr.response_ids) for tr in b.turns),

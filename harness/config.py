@@ -168,6 +168,12 @@ class Args:
     lr: float = arg(1e-6, "RL learning rate (papers: 1e-6)")
     lr_warmup: int = arg(0, "linear warmup of the RL learning rate over this many optimizer steps [ours]")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate, Eq. (10)")
+    clip_ratio_c: float = arg(3.0, "verl's dual clip: a negative-advantage token's surrogate is at least c·A, so a "
+                              "ratio past c adds no gradient (verl: 3; 0 = off)")
+    kl_clamp: float = arg(10.0, "verl's low_var_kl clamp: each token's k3 KL at most this, its log-ratio within ±20 "
+                          "(verl: 10; 0 = off, the bare formula)")
+    adv_norm: str = arg("mean_std", "Eq. (1)'s normalisation (and GiGPO's step term's): mean_std (s − mean) / std | "
+                        "mean (s − mean: verl-agent's mean_norm)")
     step_adv: float = arg(0.0, "ω: weight of GiGPO's step-level advantage (anchor-state groups) added to Eq. (1); "
                                "combines with any --algo (0 = off; --algo gigpo: 1)")
     step_gamma: float = arg(0.95, "γ: discount of GiGPO's step returns (verl-agent: 0.95)")
@@ -349,7 +355,9 @@ def check_teacher_support(a: Args, vocab: int):
 # What Args.validate checks flag by flag: (flags, test, what the test asks), and each flag's options.
 RULES = [
     (("steps", "sft_steps", "eval_games", "eval_every", "save_every", "replay_m", "alpha", "eta", "calibrate",
-      "history_len", "micro_tokens", "sft_micro_tokens", "skill_max_tokens", "step_adv"), lambda v: v >= 0, ">= 0"),
+      "history_len", "micro_tokens", "sft_micro_tokens", "skill_max_tokens", "step_adv", "kl_clamp"),
+     lambda v: v >= 0, ">= 0"),
+    (("clip_ratio_c",), lambda v: v == 0 or v > 1, "> 1 (0 = off)"),
     (("tasks_per_step", "eval_repeats", "skill_max_words", "bank_capacity", "max_turns", "max_new_tokens",
       "mini_batch", "micro_batch", "sft_batch", "env_workers", "tiny_hidden", "tiny_layers", "top_k", "retrieval_batch",
       "sft_hold_out_repeat", "teacher_topk", "teacher_refresh"), lambda v: v >= 1, "positive"),
@@ -362,7 +370,7 @@ RULES = [
 CHOICES = {"algo": ("grpo", "gigpo", "opsd", "rsipo"), "trust": ("eb", "raw", "one"), "env": ("alfworld", "search"),
            "replay_control": ("fresh", "split", "group"), "skill_groups": ("won", "all"),
            "teacher_skill": ("own", "generic", "wrong"), "teacher_loss": TEACHER_LOSSES,
-           "teacher_weights": ("live", "frozen", "ema", "refresh"),
+           "teacher_weights": ("live", "frozen", "ema", "refresh"), "adv_norm": ("mean_std", "mean"),
            "dtype": ("auto", "float32", "bfloat16"), "engine": ("hf", "vllm"), "vllm_sleep_level": (1, 2),
            "sft_hold_out_mode": cpu_preset.HOLD_OUT_MODES, "preset": ("heldout", "none")}
 

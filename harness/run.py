@@ -73,9 +73,9 @@ class Run:
     def stop_now(self) -> bool:           # this rank has seen SIGTERM: cut the current rollout or evaluation short
         return self.preempt is not None and self.preempt.seen
 
-    def logprobs(self, model, pairs, support: int = 0):   # per-sample response log-probs under `model`, no grad
-        return score_tokens(model, pairs, self.tok.pad_token_id, self.device, self.args.micro_batch,
-                            self.args.micro_tokens, support)
+    def logprobs(self, model, pairs, support: int = 0, temperature: float = 1.0):   # per-sample response
+        return score_tokens(model, pairs, self.tok.pad_token_id, self.device,     # log-probs under `model`, no grad
+                            self.args.micro_batch, self.args.micro_tokens, support, temperature)
 
     def saved_models(self) -> dict:       # what a checkpoint holds besides the policy and its optimizer
         return {"teacher": self.teacher} if self.teacher is not None else {}

@@ -36,14 +36,17 @@ def load_sft_jsonl(path: str) -> list[tuple[str, str]]:
 
 
 def sft_loss_backward(model, batch: list[tuple[list[int], list[int]]], pad_id: int, device, micro_tokens: int) -> float:
-    """Backward of the batch's token-mean cross-entropy on response tokens; returns the loss.
+    """Backward of the token-mean cross-entropy on the response tokens of every rank's batch; returns that loss.
+    The token count is summed over ranks and divided by the world size (as `train.token_counts`): FSDP averages
+    the ranks' gradients, so a rank whose loss is its tokens' sum over N / W gives the mean over all N tokens,
+    whatever each rank's share of them.
 
     [ours] With `micro_tokens` > 0 the batch is sorted by length and split into micro-batches of at most
     that many padded tokens, each scaled by the batch's token count, so the summed gradient is the one
     of the whole padded batch (up to float rounding) at a fraction of the padding: the warm-start data
     mixes 20-token action turns with 800-token analyzer prompts. All ranks run the same number of
     backward passes (FSDP2 collectives), padding with zero-weight dummies."""
-    n_tok = float(sum(len(r) for _, r in batch))
+    n_tok = float(D.all_reduce(float(sum(len(r) for _, r in batch)))[0]) / D.WORLD
     total = 0.0
     for sub, empty in aligned_micro_batches(batch, [len(p) + len(r) for p, r in batch], len(batch), micro_tokens,
                                             ([pad_id], [pad_id])):
@@ -54,7 +57,7 @@ def sft_loss_backward(model, batch: list[tuple[list[int], list[int]]], pad_id: i
         loss = -rsipo.masked_token_mean(lp, mask, n_tokens=n_tok)
         loss.backward()
         total += loss.item()
-    return total
+    return float(D.all_reduce(total)[0]) / D.WORLD       # the mean over every rank's tokens
 
 
 def sft(model, tok, pairs: list[tuple[str, str]], args, device, stop: Optional[Callable[[], bool]] = None,
@@ -85,7 +88,11 @@ def sft(model, tok, pairs: list[tuple[str, str]], args, device, stop: Optional[C
         D.check_resume(state_dir, args)
         st = D.load_checkpoint(state_dir, model, opt)
         start, loss, skipped = st["step"], st["extra"]["loss"], st["extra"]["skipped"]
-        rng.setstate(st["extra"]["rng"][D.RANK])
+        saved = st["extra"]["rng"]       # one sampler state per rank of the stopped run
+        # a rank the stopped run did not have draws its own fresh stream (another rank's would repeat its batches)
+        rng = random.Random(f"{args.seed}-{D.RANK}-{start}") if D.RANK >= len(saved) else rng
+        if D.RANK < len(saved):
+            rng.setstate(saved[D.RANK])
         sched.last_epoch = start - 1
         sched.step()                      # the learning rate of step `start`
         print0(f"sft: resumed at step {start} of {args.sft_steps} from {st['path']}")

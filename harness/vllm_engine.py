@@ -41,8 +41,8 @@ class VLLMEngine:
       changes where a response ends, not the distribution.)
     * Output contract as HFEngine: response token ids up to and including a stop text's token, a
       trailing EOS dropped (the tokenizer's, or a checkpoint eos id that vLLM reports as an integer
-      `stop_reason`), text exactly the decoding of those ids by our tokenizer; `free` when sampled at
-      T 1 and top-p 1.
+      `stop_reason`), text exactly the decoding of those ids by our tokenizer; `free` when sampled (T > 0)
+      at top-p 1: vLLM's log-probs are of the tempered distribution, as the trainer's (`token_logprobs_of`).
     * `sleep()` before the update, at `sleep_level` 2 by default: vLLM discards its weights and KV cache
       (vllm 0.32.0 `Worker.sleep`, v1/worker/gpu_worker.py:294-311, keeps a CPU copy of the model's buffers
       at level 2 and `wake_up` restores them, :337-346), since `load_weights` overwrites every weight right
@@ -141,7 +141,7 @@ class VLLMEngine:
         params = [self._sampling_params(min(want, self.max_model_len - len(x)), temperature, greedy, stop, s)
                   for x, s in zip(ids, seeds)]
         outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-        free = not greedy and temperature == 1.0 and self.top_p >= 1.0
+        free = not greedy and self.top_p >= 1.0
         return [self._generation(o.outputs[0], x, free, stop) for o, x in zip(outs, ids)]
 
     def _generation(self, c, prompt_ids: list[int], free: bool, stop: bool) -> Generation:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -386,6 +387,43 @@ def micro_batches(lengths: list[int], micro_batch: int, micro_tokens: int = 0) -
         out[-1].append(i)
         longest = max(longest, n)
     return out
+
+
+def global_mini_batches(items: list, lengths: list[int], size: int, seed: int) -> tuple[list[list], int]:
+    """One epoch's mini-batches over the items of every rank, whatever the number of ranks: the ranks' items in
+    rank order are shuffled with `seed` (the same on every rank) and cut into mini-batches of `size` (the last may
+    be smaller), exactly as one rank holding them all would cut them. Each mini-batch is then dealt out so that
+    every rank holds an equal share to within one item: an item stays on its own rank while that rank has room,
+    and the rest go, longest first, to the rank with room and the fewest tokens (`lengths`) so far. Only those
+    moved are sent (one object gather). Returns this rank's part of each mini-batch, in the shuffled order, and
+    the number of items over all ranks. A collective; on one rank it is a shuffle."""
+    owners = [(r, i, n) for r, part in enumerate(all_gather_obj(lengths)) for i, n in enumerate(part)]
+    order = list(range(len(owners)))
+    random.Random(seed).shuffle(order)
+    place: dict[tuple[int, int], tuple[int, int]] = {}   # (rank, index) → (mini-batch, position) here
+    dest: dict[tuple[int, int], int] = {}                 # (rank, index) → the rank that trains it
+    for m, start in enumerate(range(0, len(order), size)):
+        chunk = [owners[g] for g in order[start:start + size]]
+        room = [len(chunk) // WORLD + (r < len(chunk) % WORLD) for r in range(WORLD)]
+        tokens = [0] * WORLD
+        movers = []
+        for pos, (r, i, n) in enumerate(chunk):
+            place[r, i] = (m, pos)
+            if room[r]:
+                dest[r, i], room[r], tokens[r] = r, room[r] - 1, tokens[r] + n
+            else:
+                movers.append((r, i, n))
+        for r, i, n in sorted(movers, key=lambda x: -x[2]):
+            to = min((k for k in range(WORLD) if room[k]), key=lambda k: tokens[k])
+            dest[r, i], room[to], tokens[to] = to, room[to] - 1, tokens[to] + n
+    sent = all_gather_obj([(RANK, i, x) for i, x in enumerate(items) if dest[RANK, i] != RANK])
+    arrived = {(r, i): x for part in sent for r, i, x in part if dest[r, i] == RANK}
+    mine = [(place[RANK, i], x) for i, x in enumerate(items) if dest[RANK, i] == RANK]
+    mine += [(place[key], x) for key, x in arrived.items()]
+    out: list[list] = [[] for _ in range(math.ceil(len(order) / size))] if order else []
+    for (m, pos), x in sorted(mine, key=lambda t: t[0]):
+        out[m].append(x)
+    return out, len(order)
 
 
 def aligned_micro_batches(items: list, lengths: list[int], micro_batch: int, micro_tokens: int, dummy):

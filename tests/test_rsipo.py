@@ -339,7 +339,7 @@ def test_rsipo_reduces_to_grpo_exactly():
     lp = token_logprobs(logits, targets)
     l1, m1 = rsipo_loss(lp, old, adv, mask, clip_eps=0.2, alpha=0.0, c_kl=0.01, c_ent=0.001)
     l2, _ = policy_loss(lp, old, adv, mask, clip_eps=0.2)
-    assert torch.equal(l1, l2) and set(m1) == {"pg/loss", "pg/clip_frac", "pg/ratio_mean",
+    assert torch.equal(l1, l2) and set(m1) == {"pg/loss", "pg/clip_frac", "pg/dual_clip_frac", "pg/ratio_mean",
                                                "pg/approx_kl", "n_tokens", "loss"}
 
 

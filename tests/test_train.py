@@ -1,6 +1,7 @@
 """The real entry point, run tiny: one process, two gloo ranks under torchrun, resume, bad config."""
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -247,6 +248,8 @@ def test_torchrun_two_cpu_ranks(tmp_path, algo):
     assert len(steps) == 2 and any(r["train/turns_updated"] > 0 for r in steps)
     # a step with samples to update on took an optimizer step (with the KL term, for grpo: c_kl 0.01)
     assert all(r["update/grad_norm"] > 0 and "kl/k3" in r for r in steps if r["train/turns_updated"] > 0)
+    # the mini-batches are those of one shared shuffle over both ranks' samples (TINY: --mini_batch 8)
+    assert all(r["update/mini_batches"] == math.ceil(r["update/samples"] / 8) for r in steps)
     # both ranks rolled out: 2 tasks x 2 episodes, one task per rank
     assert _changed_from_warm_start(run, _state(run)["model"])
 
@@ -537,3 +540,15 @@ def test_steps_0_evaluates_a_checkpoint_once(tmp_path, monkeypatch):
     assert len(calls) == 1
     assert s["eval/success"] == s["eval/success_at_start"] and s["eval/by_game"] == s["eval_at_start/by_game"]
     assert s["eval/episodes"] == 2                      # --eval_games 2, --eval_repeats 1
+
+
+def test_a_step_that_updates_nothing_says_why(tmp_path, capsys):
+    # an untrained model under free decoding writes no parsable action: every turn is invalid, every group tied
+    T.main(["--algo", "grpo", "--sft_steps", "0", "--steps", "1", "--constrained", "false", "--tasks_per_step", "2",
+            "--group_size", "2", "--max_turns", "2", "--eval", "false", "--tiny_hidden", "32", "--out_dir",
+            str(tmp_path), "--run_name", "idle"])
+    assert "warning: step 1 updates nothing: every turn was invalid" in capsys.readouterr().out
+    row = [json.loads(x) for x in (tmp_path / "idle" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert row["train/invalid_frac"] == 1.0 and row["update/idle"] == 1 and row["train/turns_updated"] == 0
+    assert json.loads((tmp_path / "idle" / "summary.json").read_text())["update/idle_steps"] == 1
+    assert "1 of 1 RL steps updated nothing: step 1: every turn was invalid" in (tmp_path / "idle" / "report.html").read_text()
