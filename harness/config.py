@@ -278,6 +278,9 @@ class Args:
     eval_repeats: int = arg(5, "episodes per held-out game at evaluation (sampled eval is noisy)")
     eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
     save_every: int = arg(4, "checkpoint every k RL steps")
+    check_disk: bool = arg(True, "[ours] refuse to start when --out_dir has less free space than one checkpoint of the "
+                           "run needs (fp32 weights and AdamW's two moments, and an ema/refresh teacher's weights: 12-16 "
+                           "bytes a parameter; a run keeps at most two checkpoints); false skips the check")
 
     @property
     def uses_skills(self) -> bool:   # opsd and rsipo write skills and score with a teacher; grpo, gigpo do not

@@ -297,6 +297,32 @@ def setup(args) -> "Run":
                tool_action=cpu_preset.tool_action if args.env == "alfworld" else None)
 
 
+def checkpoint_bytes(n_params: int, args) -> int:
+    """[ours] One checkpoint's size: fp32 weights and AdamW's two moments (12 bytes a parameter), and the fp32 weights
+    of an ema or refresh teacher (4 more). 7B: about 91 GB; a run holds at most two (the fallback and the newest)."""
+    return n_params * (12 + 4 * (args.teacher_weights in ("ema", "refresh")))
+
+
+def check_disk(run: "Run"):
+    """Refuse to start a run whose --out_dir has less free space than its next checkpoint needs (rank 0 looks, every
+    rank stops): a full disk found at the first save loses the steps before it. --check_disk false skips this."""
+    a = run.args
+    if not a.check_disk or not a.save_every:
+        return
+    n = sum(p.numel() for p in run.model.parameters())        # a DTensor counts its whole parameter
+    need = checkpoint_bytes(n, a)
+    free = shutil.disk_usage(run.run_dir).free if D.RANK == 0 else 0
+    why = None
+    if D.RANK == 0 and free < need:
+        why = (f"error: --out_dir {a.out_dir} has {free / 1e9:.2f} GB free, and a checkpoint of this run needs "
+               f"{need / 1e9:.2f} GB ({n / 1e9:.3f} B parameters × {need // n} bytes: fp32 weights, AdamW's two "
+               "moments" + (", the teacher's weights" if need // n > 12 else "") + "): point --out_dir at scratch "
+               "space (recipes/README.md: the disk budget), or --check_disk false")
+    why = all_gather_obj(why)[0]
+    if why:
+        raise SystemExit(why)
+
+
 def given_skills(args, data: EnvData) -> Optional[Callable]:
     """[ours] --teacher_skill generic | wrong: task id → the skill its teacher is given (`cpu_preset`), after a
     check that every training task has one (a teacher without its skill would train on nothing, silently)."""
@@ -322,6 +348,7 @@ def build_policy(run: "Run"):
     run.model, run.tok = load_model_and_tokenizer(
         a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool), run.model_path, run.device)
     check_teacher_support(a, run.model.config.vocab_size)
+    check_disk(run)
     # [ours] the skill-writing budget: --skill_max_tokens, or room for the longest skill parse_skill accepts
     run.skill_max_tokens = a.skill_max_tokens or skill_token_budget(
         lambda t: run.tok.encode(t, add_special_tokens=False), a.skill_max_words)

@@ -468,9 +468,11 @@ def _fsync(path: Path):   # a file's data, or a folder's entries, on disk before
 
 
 def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict, models: Optional[dict] = None):
-    """Write <run>/ckpt/step_<step>: sharded, atomic (see above), then delete every other step_* but the
-    newest complete one before it. Collective under FSDP2: no rank ever holds the full state. `models`: other
-    modules the run must resume with (name → module, e.g. an EMA teacher), saved beside the policy."""
+    """Write <run>/ckpt/step_<step>: sharded, atomic (see above). [ours] At most two complete checkpoints at any
+    moment: before writing, every step_* folder but the newest complete one before this step (the fallback) is
+    deleted (older ones, a later one of an abandoned timeline, crashed temp folders), so the disk holds the
+    fallback and the new one, never a third (7B: 2 × 91 GB, not 3). Collective under FSDP2: no rank ever holds the
+    full state. `models`: other modules the run must resume with (name → module, e.g. an EMA teacher)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     from torch.utils._pytree import tree_leaves
@@ -478,8 +480,11 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict, mod
         raise TypeError("save_checkpoint: `extra` must hold plain python objects, no tensors")
     final = run_dir / "ckpt" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    if RANK == 0:   # a crashed save of this step left its temp folder: start it over
-        shutil.rmtree(tmp, ignore_errors=True)
+    if RANK == 0:
+        keep = next((d for d in checkpoints(run_dir) if int(d.name[5:]) < step), None)   # the fallback
+        for d in (run_dir / "ckpt").glob("step_*"):   # a crashed save of this step included: it starts over
+            if d != keep:
+                shutil.rmtree(d, ignore_errors=True)
         tmp.mkdir(parents=True)
     if dist.is_initialized():
         dist.barrier()
@@ -505,13 +510,8 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict, mod
         (tmp / "COMPLETE").write_text(json.dumps({"step": step, "world": WORLD}))
         for f in ("extra.pt", "args.json", "COMPLETE", "."):
             _fsync(tmp / f)
-        shutil.rmtree(final, ignore_errors=True)   # the same step from an abandoned timeline (resumed earlier)
         os.replace(tmp, final)
         _fsync(final.parent)
-        prev = next((d for d in checkpoints(run_dir) if int(d.name[5:]) < step), None)
-        for d in final.parent.glob("step_*"):   # older ones, other runs' later ones, crashed temp folders
-            if d not in (final, prev):
-                shutil.rmtree(d, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
 
@@ -523,17 +523,29 @@ RESUME_MUST_MATCH = ("algo", "model", "env", "tiny_hidden", "tiny_layers", "seed
 def check_resume(run_dir: Path, args):
     """Refuse, before any compute, to resume a checkpoint written with other core flags (e.g. a GRPO
     run's ckpt picked up by an --algo rsipo run of the same --run_name). Every complete checkpoint is
-    checked: a damaged newest one falls back to the previous. Rank 0's listing decides (a collective)."""
-    for d in agreed_checkpoints(run_dir):
+    checked: a damaged newest one falls back to the previous. Rank 0 reads and decides for all (a collective):
+    on a shared file system that lags, another rank's own reads could decide otherwise."""
+    verdict = None
+    for d in checkpoints(run_dir) if RANK == 0 else []:
         f = d / "args.json"
-        if f.exists():
-            saved = json.loads(f.read_text())
-            diff = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
-            if diff:
-                raise SystemExit(f"error: {d} was written with "
-                                 + ", ".join(f"--{k} {saved[k]}" for k in diff) + " but this run has "
-                                 + ", ".join(f"--{k} {getattr(args, k)}" for k in diff)
-                                 + ": use another --run_name, or --resume false to start over")
+        saved = json.loads(f.read_text()) if f.exists() else {}
+        diff = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
+        if diff:
+            verdict = (f"error: {d} was written with " + ", ".join(f"--{k} {saved[k]}" for k in diff)
+                       + " but this run has " + ", ".join(f"--{k} {getattr(args, k)}" for k in diff)
+                       + ": use another --run_name, or --resume false to start over")
+            break
+    verdict = all_gather_obj(verdict)[0]
+    if verdict:
+        raise SystemExit(verdict)
+
+
+def _read_extra(d: Path):
+    """extra.pt of checkpoint d (the step, the RNG states, the run's state), or why it cannot be read."""
+    try:
+        return torch.load(d / "extra.pt", map_location="cpu", weights_only=False)
+    except Exception as e:
+        return f"{d / 'extra.pt'}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
 
 
 def checkpoint_damage(d: Path) -> Optional[str]:
@@ -559,37 +571,54 @@ def load_checkpoint(run_dir: Path, model, opt, models: Optional[dict] = None) ->
     """Restore the newest complete checkpoint that loads (collective under FSDP2): this rank's shards of the
     policy and AdamW, and its RNG states. The weights loaded must give the checksum saved with them
     (`param_checksum`), else the checkpoint does not load. Returns {"step", "rng", "extra", "path"}; None without
-    checkpoints. A damaged one is named and the previous one tried; when none loads, an error naming each."""
+    checkpoints. A damaged one is named and the previous one tried; when none loads, an error naming each.
+
+    [ours] Every decision is taken once for all ranks, so that no rank can walk into another checkpoint's
+    collective while the others wait in this one (on a shared file system one rank's read can fail alone):
+    rank 0 lists the checkpoints, checks their files and reads extra.pt, and shares what it found; each rank's
+    own preparation is agreed on (all-gathered) before the collective load, and the load's outcome after it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                          set_state_dict)
     bad = []
     for d in agreed_checkpoints(run_dir):   # rank 0's listing and verdicts for all
         err = all_gather_obj(checkpoint_damage(d) if RANK == 0 else None)[0]
-        if err is None:
-            try:   # dcp.load raises on every rank when one rank's read fails
-                st = torch.load(d / "extra.pt", map_location="cpu", weights_only=False)
+        st = None
+        if err is None:                   # rank 0 reads the run's state; every rank takes it from there
+            st = all_gather_obj(_read_extra(d) if RANK == 0 else None)[0]
+            err, st = (st, None) if isinstance(st, str) else (None, st)
+        if err is None:                   # this rank's preparation, agreed on before the collective load
+            try:
                 opt.state.clear()         # each try starts fresh: no state from a failed try's partial load
                 others = {name: get_model_state_dict(m) for name, m in (models or {}).items()}
+                state = {"model": get_model_state_dict(model), **others}
                 if st.get("optim", True):
-                    msd, osd = get_state_dict(model, opt)
-                    dcp.load({"model": msd, "optim": osd, **others}, storage_reader=dcp.FileSystemReader(d),
-                             no_dist=not dist.is_initialized())
-                    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+                    state["model"], state["optim"] = get_state_dict(model, opt)
+                mine = None
+            except Exception as e:
+                mine = f"rank {RANK}: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            failed = [x for x in all_gather_obj(mine) if x]
+            err = f"{d}: the ranks could not prepare its load: " + "; ".join(failed) if failed else None
+        if err is None:
+            try:   # dcp.load raises on every rank when one rank's read fails
+                dcp.load(state, storage_reader=dcp.FileSystemReader(d), no_dist=not dist.is_initialized())
+                if "optim" in state:
+                    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
                 else:                     # saved before the optimizer's first step: the weights alone, no state
-                    msd = get_model_state_dict(model)
-                    dcp.load({"model": msd, **others}, storage_reader=dcp.FileSystemReader(d),
-                             no_dist=not dist.is_initialized())
-                    set_model_state_dict(model, msd)
+                    set_model_state_dict(model, state["model"])
                 for name, m in (models or {}).items():
-                    set_model_state_dict(m, others[name])
+                    set_model_state_dict(m, state[name])
                 got, want = param_checksum(model), st.get("checksum")
                 if want is not None and not np.allclose(got, want, rtol=1e-9, atol=0.0):
                     raise ValueError(f"the loaded weights give the checksum {got}, the saved ones gave {want}")
+                mine = None
             except (Exception, dcp.CheckpointException) as e:   # the latter is a BaseException: each rank's error
-                why = [x for x, _ in e.failures.values()] if isinstance(e, dcp.CheckpointException) else [e]
-                err = f"{d}: does not load: " + "; ".join(
-                    f"{type(x).__name__}: {' '.join(str(x).split())[:200]}" for x in why)
+                why = ({r: x for r, (x, _) in e.failures.items()} if isinstance(e, dcp.CheckpointException)
+                       else {RANK: e})
+                mine = "; ".join(f"rank {r}: {type(x).__name__}: {' '.join(str(x).split())[:200]}"
+                                 for r, x in sorted(why.items()))
+            failed = [x for x in all_gather_obj(mine) if x]   # the ranks agree: loaded everywhere, or nowhere
+            err = f"{d}: does not load: " + "; ".join(dict.fromkeys(failed)) if failed else None
         if err is None:
             r = st["rng"][RANK] if RANK < len(st["rng"]) else st["rng"][0]
             random.setstate(r["python"])
