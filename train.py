@@ -62,7 +62,7 @@ from harness import cpu_preset
 from harness.config import Args, parse_args
 from harness.run import (Preempted, Preemption, Run, Timer, build_policy, compute_dtype, evaluate_and_print, finish,
                          log_row, progress, restore, resume, save, save_policy, setup, snapshot, stop_preempted,
-                         teardown)
+                         teardown, watch_step)
 from harness.sft import load_sft_jsonl, sft
 from harness.calibration import calibrate
 from infra import distributed as D
@@ -792,7 +792,8 @@ def sync_weights(run: Run):
     """The rollout weights follow the policy: the rollout copy reloads it (HF engine), or the FSDP2
     parameters are pushed into vLLM (a collective; the prefix cache is reset)."""
     if run.rollout_model is None:
-        run.engine.load_weights(run.model.named_parameters())
+        if run.engine is not None:        # no sampler in a warm start alone (build_policy)
+            run.engine.load_weights(run.model.named_parameters())
     else:
         D.copy_params(run.rollout_model, run.model)   # one gathered tensor at a time
 
@@ -971,6 +972,7 @@ def main(argv=None) -> dict:
                 except Preempted:         # cut short: the step is done, and the check below saves it and stops
                     pass
             log_row(run, row)
+            watch_step(run, row)
             progress(f"step {step + 1:4d} | success {row['train/success']:.3f} | reward {row['train/reward']:.2f} | "
                      f"invalid {row['train/invalid_frac']:.3f} | kl {row.get('kl/k3', 0):.4f} | "
                      f"{row['time/step']:.0f}s (rollout {row['time/rollout']:.0f}s)")

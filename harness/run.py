@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import random
 import shutil
 import signal
@@ -76,6 +77,9 @@ class Run:
     def logprobs(self, model, pairs, support: int = 0, temperature: float = 1.0):   # per-sample response
         return score_tokens(model, pairs, self.tok.pad_token_id, self.device,     # log-probs under `model`, no grad
                             self.args.micro_batch, self.args.micro_tokens, support, temperature)
+
+    def rows_trained(self) -> bool:       # whether any RL step ran (in this process or before a resume)
+        return any("train/success" in r for r in self.rows)
 
     def saved_models(self) -> dict:       # what a checkpoint holds besides the policy and its optimizer
         return {"teacher": self.teacher} if self.teacher is not None else {}
@@ -183,6 +187,7 @@ def stop_preempted(run: "Run", done: int):
 
 def save(run: "Run", done: int):
     """The run's checkpoint after `done` RL steps (a collective), and the skill bank beside it."""
+    t0 = time.time()
     with run.phases("save"):
         save_checkpoint(run.run_dir, run.model, run.opt, done, run.args,
                         {"summary": {k: v for k, v in run.summary.items() if k != "config"},
@@ -190,6 +195,41 @@ def save(run: "Run", done: int):
                          "skill_rng": all_gather_obj(run.skill_rng.getstate())}, run.saved_models())
     if D.RANK == 0 and run.args.algo == "rsipo":
         run.bank.save(run.run_dir / "skill_bank.json")
+    run.summary["time/last_save"] = time.time() - t0
+
+
+# [ours] The sections a SIGTERM cannot cut short (Preemption): after the last check a step still runs its update and
+# weight sync; a signal seen just before a check may wait for one whole scoring or skill-writing section; then the
+# checkpoint is written.
+UNCUT = (("time/skills",), ("time/score",), ("time/update", "time/sync"))
+
+
+def grace_needed(row: dict, save_s: float) -> float:
+    """The longest a run can take from a SIGTERM to its exit after this step: its longest section that no signal
+    cuts short, then a checkpoint's save (`save_s`). torchrun's --shutdown_timeout must exceed it."""
+    return max(sum(row.get(k, 0.0) for k in keys) for keys in UNCUT) + save_s
+
+
+def watch_step(run: "Run", row: dict):
+    """[ours] After each step: the grace a SIGTERM needs (`grace/needed_s`, the largest so far, said once when it
+    first grows past what torchrun gives by default) and, on a GPU, the peak memory against the first 5 steps'
+    (a warning each time it passes 110% of them: memory that creeps up ends in an OOM tens of steps later)."""
+    s = run.summary
+    need = grace_needed(row, s.get("time/last_save", 0.0))
+    if need > s.get("grace/needed_s", 0.0):
+        if s.get("grace/needed_s", 0.0) <= 30 < need:
+            print0(f"note: a SIGTERM may now need {need:.0f} s to end in a checkpoint (the longest uncut section, "
+                   "then a save): under torchrun give --shutdown_timeout above that, and the scheduler's signal "
+                   "more lead (recipes/README.md, the grace period)")
+        s["grace/needed_s"] = need
+    if "mem/reserved" in row:
+        first = s.setdefault("mem/first_steps", [])
+        if len(first) < 5:
+            first.append(row["mem/reserved"])
+        elif row["mem/reserved"] > 1.1 * max(first):
+            print0(f"warning: peak GPU memory {row['mem/reserved']:.1f} GiB at step {row['step']} is more than 10% "
+                   f"above the first 5 steps' {max(first):.1f} GiB")
+            s["mem/growth_warnings"] = s.get("mem/growth_warnings", 0) + 1
 
 
 def progress(msg: str):   # a line above the progress bar (rank 0)
@@ -257,6 +297,18 @@ def compute_dtype(args) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
 
 
+def too_few_cores(cores: Optional[int], local_ranks: int, env_workers: int) -> Optional[str]:
+    """[ours] Why this process's cores are too few for its host's ranks, or None: each rank runs a trainer, a sampler
+    and its env workers, so a GPU host wants local ranks × (2 + --env_workers) cores."""
+    want = local_ranks * (2 + env_workers)
+    if cores is None or cores >= want:
+        return None
+    return (f"this process may run on {cores} core(s), and its host's {local_ranks} rank(s) each run a trainer, a "
+            f"sampler and {env_workers} env workers ({want} wanted). Under SLURM (22.05 and later) srun does not pass "
+            "--cpus-per-task on to its tasks: give srun --cpus-per-task, or export "
+            "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK (recipes/README.md)")
+
+
 def setup(args) -> "Run":
     """Ranks, seeds, the tasks and the env pool; refuses a checkpoint of other core flags before any compute.
     A real model on a machine whose NVIDIA GPU torch cannot see is said plainly (it would run on the CPU)."""
@@ -265,6 +317,11 @@ def setup(args) -> "Run":
         print0(f"warning: an NVIDIA driver is loaded but torch sees no GPU, so this runs on the CPU: "
                f"{D.why_no_gpu()}")
     torch.set_num_threads(D.cpu_threads(D.local_world()))   # the cores of this host, shared by its ranks
+    if torch.cuda.is_available():
+        few = too_few_cores(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                            D.local_world(), args.env_workers)
+        if few:
+            print0(f"warning: {few}")
     D.seed_rank(args.seed)
     run_dir = Path(args.out_dir) / args.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -366,7 +423,9 @@ def build_policy(run: "Run"):
         run.model.to(run.device)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
               max_prompt_tokens=a.max_prompt_tokens, stop_texts=list(run.pool.stop_texts))
-    if a.engine == "vllm":                # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores π_old
+    if a.engine == "vllm" and not (a.steps or a.eval):   # [ours] a warm start alone (stage 1): nothing to sample
+        run.engine = None
+    elif a.engine == "vllm":              # [ours] no rollout copy: vLLM samples, the FSDP2 policy scores π_old
         max_model_len = a.max_prompt_tokens + max(a.max_new_tokens, run.skill_max_tokens)
         run.engine = VLLMEngine(run.model_path, run.tok, max_model_len=max_model_len,
                                 seed=a.seed + D.RANK, gpu_memory_utilization=a.gpu_memory_utilization,
@@ -380,7 +439,8 @@ def build_policy(run: "Run"):
             p.requires_grad_(False)
         run.engine = HFEngine(run.rollout_model, run.tok, **kw)
     # student prompts of opsd/rsipo leave room for the skill line the teacher inserts later
-    run.skill_reserve = 0 if not a.uses_skills else run.engine.prompt_len(SKILL_PREFIX + "[]") + run.skill_max_tokens
+    run.skill_reserve = 0 if not a.uses_skills or run.engine is None else \
+        run.engine.prompt_len(SKILL_PREFIX + "[]") + run.skill_max_tokens
 
 
 def _chunks(xs: list, n: int):
@@ -417,8 +477,14 @@ def finish(run: "Run"):
             s.update({"eval/gain": g, "eval/gain_se": se, "eval/gain_games": n})
             print0(f"held-out gain, paired over {n} tasks: {100 * g:+.1f} ± {100 * se:.1f} points (1 s.e.)")
         log_row(run, {"step": run.rows[-1]["step"] if run.rows else 0, **ev})
-    with run.phases("save_policy"):
-        save_policy(run, run.run_dir / "final")
+    final, warm = run.run_dir / "final", run.run_dir / "warm_start"
+    if not run.rows_trained() and (warm / "config.json").exists():   # no RL step: the warm start is the final policy
+        if D.RANK == 0 and not final.exists():          # written once (7B: 30 GB), linked under the second name
+            os.symlink("warm_start", final)
+        D.barrier()
+    else:
+        with run.phases("save_policy"):
+            save_policy(run, final)
     s.update({f"phase/{k}": v for k, v in run.phases.times.items()})   # this process's sft, eval, save: time, memory
     if D.RANK == 0 and a.calibrate:       # the trust check over the whole run (METHOD.md §5.7)
         from harness import report

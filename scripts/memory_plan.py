@@ -8,9 +8,10 @@ The terms (bytes; P parameters, W ranks, c the compute dtype's bytes, 2 for bf16
 * **Trainer state**, FSDP2-sharded: fp32 master weights 4P/W, fp32 gradients 4P/W, AdamW's two moments 8P/W.
 * **Reference** (the KL term): bf16, sharded, 2P/W.
 * **Gathered weights** while the policy computes: the root module's parameters (embedding, LM head, final
-  norm), which FSDP2 keeps gathered through forward and backward, in c bytes, and two decoder blocks at a
-  time (the one computing and the one prefetched) plus one block's gradients before their reduce-scatter
-  (c bytes to hold, 4 to reduce in fp32).
+  norm), which FSDP2 keeps gathered through forward and backward, in c bytes, and their unsharded gradients
+  before the root's reduce-scatter at the end of backward (c bytes to hold, 4 to reduce in fp32: at 7B, with
+  its untied 152k × 3584 embedding and head, 6.1 GiB), and two decoder blocks at a time (the one computing
+  and the one prefetched) plus one block's gradients before their reduce-scatter (c + 4 bytes likewise).
 * **Activations** of one micro-batch of T tokens (`--micro_tokens`), per token and block, what autograd
   keeps for backward in a Qwen2 / Llama block (HF's code, SDPA attention): the two RMSNorms' fp32 inputs
   and their normalised and weighted outputs (2·(4d + 2cd)), the rotated query and key and the value that
@@ -22,8 +23,9 @@ The terms (bytes; P parameters, W ranks, c the compute dtype's bytes, 2 for bf16
   gradient of the same shape (4 + 4 + 4 + 4). A micro-batch of T tokens holds floor(T / (p + r))
   sequences of p prompt and r response tokens (at least one), so that many times r positions.
 * **vLLM** (`--engine vllm`): `--gpu_memory_utilization` of the GPU while it generates; asleep during the
-  update (level 1: weights offloaded, KV cache freed), where a residual of `vllm_asleep_gib` (CUDA graphs,
-  allocator pools) is assumed **[ours]**. With the HF engine, the bf16 rollout copy instead, 2P, always.
+  update (`--vllm_sleep_level` 2, the default: weights discarded, KV cache freed; level 1 would offload the
+  weights to pinned host memory), where a residual of `vllm_asleep_gib` (CUDA graphs, allocator pools) is
+  assumed **[ours]**. With the HF engine, the bf16 rollout copy instead, 2P, always.
 
 The peak is the larger of the rollout phase (trainer state, reference, vLLM's share) and the update phase
 (trainer state, reference, vLLM asleep, gathered weights, activations, logits). Not counted: the CUDA
@@ -102,7 +104,7 @@ def estimate(cfg: dict, *, world: int = 8, gpu_gib: float = 80.0, micro_tokens: 
     t = {
         "trainer_state": 16 * P / world,
         "reference": 2 * P / world if reference else 0.0,
-        "gathered_weights": c * root + 2 * c * block + (c + 4) * block,
+        "gathered_weights": c * root + (c + 4) * root + 2 * c * block + (c + 4) * block,
         "activations": T * keep + (T * one_block if grad_ckpt else 0.0),
         "logits": n_seq * response * cfg["vocab_size"] * logit_bytes_per_entry(c),
     }

@@ -22,6 +22,14 @@ of the turns that use their type's tool, on those of the other turns, and on the
 If the oracle skill does not raise success and the gap is ≈ 0, the model ignores skills, and the
 OPSD term of Eq. 11 has nothing to distil.
 
+Stage 0, the premise check **[ours]** (recipes/README.md): with a model of one's own on 128 fixed games it ends
+with one go/no-go line and the JSON's `premise`: go when the generic (right type-level) skill adds at least 5
+points over none and beats the wrong-type skill ('other') by 2 s.e., paired over games; beside it the teacher's
+token gaps (mean, the share of tokens the gate opens, the gap by turn).
+
+    python scripts/skill_probe.py --model Qwen/Qwen2.5-7B-Instruct --data_root ~/.cache/alfworld --split valid_seen \
+        --games 128 --repeats 1 --out runs/premise_q7b.json
+
 With --own it measures the policy's own skills instead, the way the trainer writes them, against an
 independent control (the ground truth that the replay gain and `--calibrate` estimate). For each game it plays
 --sources skill-free episodes at the training temperature, and the policy writes a skill from a won one and
@@ -183,7 +191,12 @@ def token_gaps(diffs: list, turns: list, tok) -> dict:
            "share_abs_lt_0.01": (tok_gap.abs() < 0.01).float().mean().item(),
            "share_gt_0.1": (tok_gap > 0.1).float().mean().item(),
            "share_lt_-0.1": (tok_gap < -0.1).float().mean().item(),
+           "gate_gt_half": (tok_gap > 0).float().mean().item(),     # the share of tokens Eq. (11)'s gate opens
            **{f"gate_mean_beta{b}": torch.sigmoid(b * tok_gap).mean().item() for b in GATE_BETAS}}
+    by_turn: dict[str, list] = {}
+    for d, tr in zip(diffs, turns):       # the gap by the turn's index in its episode (5: the fifth and later)
+        by_turn.setdefault(str(min(tr.step, 5)), []).append(d)
+    out["gap_by_turn"] = {t: torch.cat(by_turn[t]).mean().item() for t in sorted(by_turn)}
     parts = {"action_tool": [], "action_other": [], "think": []}
     for d, tr in zip(diffs, turns):
         start = action_start(tok, tr.response_ids)
@@ -196,6 +209,26 @@ def token_gaps(diffs: list, turns: list, tok) -> dict:
         out[f"gap_{name}"] = x.mean().item() if x.numel() else float("nan")
         out[f"share_higher_{name}"] = (x > 0).float().mean().item() if x.numel() else float("nan")
     return out
+
+
+PREMISE_POINTS = 5.0   # [ours] the right skill must add this many points of success in the prompt
+
+
+def premise(games_won: dict) -> dict | None:
+    """[ours] Stage 0, the premise RSIPO needs before anyone spends GPU-days: does this model act on a skill in its
+    prompt? Go when the right type-level skill adds at least PREMISE_POINTS points over no skill and beats a wrong-type
+    skill by 2 s.e., both paired over games; None without the two conditions."""
+    if "generic" not in games_won or "other" not in games_won:
+        return None
+    right, right_se, n = rollout.paired_gain(games_won["none"], games_won["generic"])
+    wrong, wrong_se, _ = rollout.paired_gain(games_won["none"], games_won["other"])
+    diff, diff_se, _ = rollout.paired_gain(games_won["other"], games_won["generic"])
+    go = 100 * right >= PREMISE_POINTS and diff > 2 * diff_se
+    line = (f"premise check: {'GO' if go else 'NO-GO'}: the right skill {100 * right:+.1f} ± {100 * right_se:.1f} points "
+            f"over none (needs ≥ {PREMISE_POINTS:g}), a wrong-type skill {100 * wrong:+.1f} ± {100 * wrong_se:.1f}, "
+            f"right − wrong {100 * diff:+.1f} ± {100 * diff_se:.1f} (needs > 2 s.e.), {n} games")
+    return {"right_minus_none": right, "right_se": right_se, "wrong_minus_none": wrong, "wrong_se": wrong_se,
+            "right_minus_wrong": diff, "right_minus_wrong_se": diff_se, "games": n, "go": go, "line": line}
 
 
 def _task_of(gamefile: str) -> str:
@@ -363,10 +396,13 @@ def main(argv=None):
             if g[f"tokens_{part}"]:
                 print(f"  {part:13s} {g[f'tokens_{part}']:6d} tokens, gap {g[f'gap_{part}']:+.4f} nat/token, "
                       f"teacher higher on {100 * g[f'share_higher_{part}']:.0f}%")
+    verdict = premise(games_won)
+    if verdict:
+        print("\n" + verdict["line"])
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap,
-                                           "gaps": gaps,
+                                           "gaps": gaps, "premise": verdict,
                                            "bank_facts": facts, "written": written}, indent=1))
         print(f"saved {a.out}")
 

@@ -33,7 +33,8 @@ def test_estimate_terms_by_hand():
     assert e["micro_batch_sequences"] == 2 and e["micro_batch_tokens"] == 80
     assert e["trainer_state"] * GIB == pytest.approx(16 * P / 2)
     assert e["reference"] * GIB == pytest.approx(2 * P / 2)
-    assert e["gathered_weights"] * GIB == pytest.approx(2 * 1608 + 2 * 2 * 608 + 6 * 608)
+    # the root (1608) gathered in bf16 and its gradient held in bf16 and fp32; two blocks (608) and one's gradient
+    assert e["gathered_weights"] * GIB == pytest.approx(2 * 1608 + 6 * 1608 + 2 * 2 * 608 + 6 * 608)
     # per token and block: 2·(4·8 + 2·2·8) + 2·(8 + 2·4) + 2·2·8 + 4·2·16 = 128 + 32 + 32 + 128 = 320
     assert e["activations"] * GIB == pytest.approx(80 * 2 * 320)
     assert e["logits"] * GIB == pytest.approx(20 * 100 * (2 + 4 + 16))

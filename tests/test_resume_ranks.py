@@ -76,6 +76,18 @@ def test_a_run_whose_out_dir_cannot_hold_a_checkpoint_is_refused_at_start(tmp_pa
     assert checkpoint_bytes(10, T.Args()) == 120 and checkpoint_bytes(10, T.Args(teacher_weights="ema")) == 160
 
 
+def test_grace_and_cores_are_sized_from_the_run():
+    from harness.run import grace_needed, too_few_cores
+    # the longest section no signal cuts short (update + sync here), then the save
+    row = {"time/skills": 20.0, "time/score": 50.0, "time/update": 40.0, "time/sync": 15.0, "time/rollout": 300.0}
+    assert grace_needed(row, save_s=30.0) == 85.0
+    assert grace_needed({"time/score": 5.0}, 1.0) == 6.0
+    # 8 ranks on a node with 1 usable core (srun without --cpus-per-task): named; 80 cores: fine
+    msg = too_few_cores(1, 8, 2)
+    assert "1 core(s)" in msg and "32 wanted" in msg and "SRUN_CPUS_PER_TASK" in msg
+    assert too_few_cores(80, 8, 2) is None and too_few_cores(None, 8, 2) is None
+
+
 def _worker(out: Path):
     """2 ranks: two checkpoints; rank 1's own reads of the newest fail in two ways."""
     import torch.distributed.checkpoint as dcp

@@ -55,6 +55,11 @@ def test_skill_probe_runs_every_condition(tmp_path):
         assert set(cond) == {"all", "pick", "look", "clean", "heat", "cool", "pick2"}
     # paired differences against none over the 6 games: each a multiple of 1/6, its s.e. finite
     assert set(r["vs_none"]) == {"oracle", "generic", "other", "bank"}
+    # stage 0's verdict: right and wrong-type gains as vs_none gives them, and go only past both bars
+    p = r["premise"]
+    assert p["right_minus_none"] == r["vs_none"]["generic"]["gain"] and p["wrong_minus_none"] == r["vs_none"]["other"]["gain"]
+    assert p["go"] == (100 * p["right_minus_none"] >= 5 and p["right_minus_wrong"] > 2 * p["right_minus_wrong_se"])
+    assert p["line"].startswith("premise check: " + ("GO" if p["go"] else "NO-GO"))
     for v in r["vs_none"].values():
         assert v["games"] == 6 and abs(v["gain"] * 6 - round(v["gain"] * 6)) < 1e-9 and v["se"] >= 0
     g = r["gap"]
@@ -182,3 +187,22 @@ def test_own_mode_runs_end_to_end(tmp_path):
     g = r["conditions"]["generic"]                          # the type-level skill is played on every game
     assert g["games"] == 3 and abs(g["gain"] * 2 - round(g["gain"] * 2)) < 1e-9 and 0 <= g["rule_share"] <= 1
     assert g["rule_share"] == 1.0                            # the generic workflow names the object and target
+
+
+def test_premise_check_goes_only_past_both_bars():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import skill_probe
+    none = {g: 0.0 for g in "abcd"}
+    # the right skill wins 3 of 4 games, the wrong one none: +75 ± 25 over none, right − wrong +75 ± 25 (3 s.e.)
+    go = skill_probe.premise({"none": none, "generic": {"a": 1, "b": 1, "c": 1, "d": 0}, "other": dict(none)})
+    assert go["go"] and go["right_minus_none"] == 0.75 and go["right_minus_wrong_se"] == pytest.approx(0.25)
+    # the wrong skill does as well: right − wrong 0, no-go though the right skill adds 75 points
+    same = skill_probe.premise({"none": none, "generic": {"a": 1, "b": 1, "c": 1, "d": 0},
+                                "other": {"a": 1, "b": 1, "c": 1, "d": 0}})
+    assert not same["go"] and same["right_minus_wrong"] == 0.0 and same["line"].startswith("premise check: NO-GO")
+    # under 5 points (1 of 40 games won): no-go
+    small = skill_probe.premise({"none": {str(i): 0 for i in range(40)},
+                                 "generic": {str(i): float(i == 0) for i in range(40)},
+                                 "other": {str(i): 0 for i in range(40)}})
+    assert not small["go"] and small["right_minus_none"] == pytest.approx(0.025)
+    assert skill_probe.premise({"none": none, "generic": none}) is None

@@ -552,3 +552,13 @@ def test_a_step_that_updates_nothing_says_why(tmp_path, capsys):
     assert row["train/invalid_frac"] == 1.0 and row["update/idle"] == 1 and row["train/turns_updated"] == 0
     assert json.loads((tmp_path / "idle" / "summary.json").read_text())["update/idle_steps"] == 1
     assert "1 of 1 RL steps updated nothing: step 1: every turn was invalid" in (tmp_path / "idle" / "report.html").read_text()
+
+
+def test_a_warm_start_alone_writes_its_weights_once(tmp_path):
+    # stage 1 (no RL step): final/ is warm_start/ under a second name, not a second copy of the weights
+    T.main(["--sft_steps", "10", "--steps", "0", "--eval", "false", "--tiny_hidden", "32", "--out_dir", str(tmp_path),
+            "--run_name", "ws"])
+    run = tmp_path / "ws"
+    assert (run / "warm_start" / "model.safetensors").exists()
+    assert (run / "final").is_symlink() and os.readlink(run / "final") == "warm_start"
+    assert (run / "final" / "config.json").exists()
