@@ -270,13 +270,6 @@ def task_terms(task: str) -> tuple[str, ...]:
     return ()
 
 
-def names_task(skill: str, terms) -> bool:
-    """[ours] The skill rule: the skill names every one of `terms` (a word that starts with it: "apples" names
-    apple). It reads only the task line the policy sees, so it uses no hidden information."""
-    words = re.sub(r"[^a-z0-9]+", " ", skill.lower()).split()
-    return all(any(w.startswith(t) for w in words) for t in terms)
-
-
 # ---------------------------------------------------------------------------------------------
 # Worker pool
 

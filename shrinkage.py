@@ -150,11 +150,14 @@ def _phi_ratio(m: np.ndarray, V: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=np.float64)
 
 
-def teacher_trust(gains, variances, task_types, mode: str = "eb", min_group: int = 4):
+def teacher_trust(gains, variances, task_types, mode: str = "eb", min_group: int = 4, informative=None):
     """Teacher trust lambda_q per task, Eq. 9.
 
     gains, variances: (B,) replay gains g_q and their variances v_q (Eq. 3-4); task_types: B
-    hashable labels c(q). Returns (trust (B,), info) with info keys:
+    hashable labels c(q). informative: (B,) bools, `replay_informative` of each task's replay, or None (all
+    informative). [ours] A task whose replays and control all won, or all lost, gets lambda 0: its g = 0 says
+    nothing about the skill, and Eq. 9 would hand lambda = 1/2 to any parseable text (its g still enters the
+    fit, a measured outcome). Returns (trust (B,), info) with info keys:
       "mean", "var", "shrink": (B,) arrays g^_q, V_q, B_q actually used (raw g, v, 0 for raw/one);
       "prior_mean", "prior_var": {type: mu}, {type: tau^2} of the fit each type used
           (pooled fit for pooled types; {} for raw/one);
@@ -170,8 +173,6 @@ def teacher_trust(gains, variances, task_types, mode: str = "eb", min_group: int
         raise ValueError(f"min_group must be >= 4 (Eq. 7 needs k >= 4), got {min_group}")
     mean, var, B = g.copy(), v.copy(), np.zeros(g.size)  # (B,) each
     info = {"mean": mean, "var": var, "shrink": B, "prior_mean": {}, "prior_var": {}, "pooled": []}
-    if mode == "one":
-        return np.ones(g.size), info
     if mode == "eb" and g.size:
         groups: dict = {}
         for i, c in enumerate(types):
@@ -183,7 +184,10 @@ def teacher_trust(gains, variances, task_types, mode: str = "eb", min_group: int
             mean[idx], var[idx], B[idx] = fit.mean[sel], fit.var[sel], fit.shrink[sel]
             info["prior_mean"][c], info["prior_var"][c] = fit.prior_mean, fit.prior_var
         info["pooled"] = small
-    return _phi_ratio(mean, var), info  # (B,)  Eq. (9)
+    trust = _phi_ratio(mean, var) if mode != "one" else np.ones(g.size)  # (B,)  Eq. (9)
+    if informative is not None:
+        trust = np.where(np.asarray(informative, dtype=bool), trust, 0.0)  # [ours] no evidence about the skill
+    return trust, info
 
 
 def replay_gain(replay_rewards, control_rewards, r_win: float) -> tuple[float, float]:

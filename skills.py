@@ -34,6 +34,8 @@ Choices the paper leaves open, made here **[ours]**:
    running mean of the raw gain, last shrunk gain. Over capacity it evicts the lowest shrunk gain
    (ties: the oldest). Non-finite gains are rejected. Entries keep the task id and step of the
    first time they were added.
+6. The skill rule (`names_task`): a skill must name every term of its task (ALFWorld: the object and the
+   target read off the task line, `envs.task_terms`); one that does not is invalid like an unparsable one.
 
 
 Test: `python -m pytest tests/test_skills.py -q`.
@@ -44,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 
@@ -191,6 +194,13 @@ def skill_token_budget(encode, max_words: int = 80) -> int:
     per_word = len(encode(_BUDGET_SAMPLE)) / len(_BUDGET_SAMPLE.split())
     wrapper = len(encode('{"skill": ""}'))
     return math.ceil(1.5 * per_word * MAX_WORDS_FACTOR * max_words) + wrapper
+
+
+def names_task(skill: str, terms) -> bool:
+    """[ours] The skill rule (choice 6): the skill names every one of `terms` (a word that starts with it: "apples"
+    names apple). The terms come from the task line the policy sees, so the rule uses no hidden information."""
+    words = re.sub(r"[^a-z0-9]+", " ", skill.lower()).split()
+    return all(any(w.startswith(t) for w in words) for t in terms)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ Every section is a function of the `Run` (what the whole run holds) and the step
 each on its own. Per task, the sections fill one `TaskRecord`; the records are gathered once a step.
 `main` reads as the run's phases. The plumbing below them (set-up, resume, checkpoints, SIGTERM, the files
 written at the end) is harness/run.py; the flags and presets harness/config.py; SFT harness/sft.py; ranks and
-sharding infra/distributed.py; the tiny model and its warm start (and SmolLM2) harness/cpu_preset.py.
+sharding infra/distributed.py; the tiny model and its warm start (and SmolLM2) harness/tiny.py.
 
 Choices, all **[ours]** (METHOD.md §5 gives the reasons):
 1. On the HF engine each rank rolls out with an unsharded copy of the policy (the rollout weights, π_old),
@@ -57,8 +57,7 @@ from tqdm import tqdm
 
 import rsipo
 import shrinkage
-from envs import names_task
-from harness import cpu_preset
+from harness import tiny
 from harness.config import Args, parse_args
 from harness.run import (Preempted, Preemption, Run, Timer, build_policy, compute_dtype, evaluate_and_print, finish,
                          log_row, progress, restore, resume, save, save_policy, setup, snapshot, stop_preempted,
@@ -71,7 +70,7 @@ from infra.distributed import (aligned_micro_batches, all_gather_obj, all_reduce
                                print0, shard)
 from rollout import (Episode, Generation, Turn, by_task, collate, fit_prompt, run_episodes, sampler_gap, teacher_pair,
                      token_logprobs_of)
-from skills import ANALYZER_MAX_STEPS, analyzer_prompt, parse_skill
+from skills import ANALYZER_MAX_STEPS, analyzer_prompt, names_task, parse_skill
 
 
 # ---- One step's records ------------------------------------------------------------------------------------------
@@ -168,8 +167,8 @@ def rl_step(run: Run, step: int) -> dict:
         b.metrics.update({"update/idle": 1, "update/idle_reason": reason})
     check()                               # the last point to abandon: the update changes the weights
     with timer("update"):
-        update_metrics = update(run.model, run.opt, samples + skill_samples, a, run.tok.pad_token_id, run.device,
-                    use_teacher=a.uses_skills)
+        update_metrics = update(run.model, run.opt, samples + skill_samples, UpdateConfig.from_args(a),
+                                run.tok.pad_token_id, run.device, use_teacher=a.uses_skills)
     with timer("sync"):
         sync_weights(run)
         follow_policy(run, step)
@@ -432,11 +431,11 @@ def trust(run: Run, b: Batch, recs: list[TaskRecord], replayed: bool):
         g = [recs[i].gain for i in ok]
         v = [recs[i].var for i in ok]
         types = [recs[i].task_type for i in ok]
-        lam_ok, info = shrinkage.teacher_trust(g, v, types, mode=a.trust)                   # Eq. (6)-(9)
+        lam_ok, info = shrinkage.teacher_trust(g, v, types, mode=a.trust,                  # Eq. (6)-(9); λ 0 where
+                                               informative=[recs[i].informative for i in ok])   # there is no evidence
         lam[ok] = lam_ok
         for i, shrunk in zip(ok, info["mean"]):
             recs[i].shrunk = float(shrunk)
-        lam[[i for i in ok if not recs[i].informative]] = 0.0   # [ours] no evidence about the skill
         if a.calibrate:                   # both modes' posteriors, to hold against a fresh replay (calibrate)
             both = {mode: shrinkage.teacher_trust(g, v, types, mode=mode)[0] for mode in ("eb", "raw")}
             for j, i in enumerate(ok):
@@ -525,7 +524,7 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     return samples, skill_samples
 
 
-def sampled_at(a: Args, skill: bool) -> float:
+def sampled_at(a, skill: bool) -> float:
     """The temperature the trainer divides the logits by: the one a kind of sample was drawn at (rollouts at
     --temperature, skill-writing at --skill_temperature; greedy, T ≤ 0, at 1). verl does the same; at any other
     temperature the update would be off-policy without saying so."""
@@ -600,7 +599,39 @@ def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
 
 # ---- The update, Eq. (10)-(12) -----------------------------------------------------------------------------------
 
-def update(model, opt, samples: list[Sample], args: Args, pad_id, device, use_teacher: bool):
+@dataclass
+class UpdateConfig:
+    """What the update reads of a run's flags (Eq. 10-12, their token means, the batching and the optimizer step),
+    and nothing else: `update` takes this, not the run's whole Args (`from_args`), so that a copier knows what it
+    needs. Each field is the --flag of the same name (harness/config.py)."""
+    mini_batch: int
+    micro_batch: int
+    micro_tokens: int
+    drop_zero_adv: bool
+    grad_clip: float
+    lr: float
+    lr_warmup: int
+    clip_eps: float
+    clip_ratio_c: float
+    kl_clamp: float
+    alpha: float
+    beta: float
+    eta: float
+    c_kl: float
+    c_ent: float
+    temperature: float
+    skill_temperature: float
+    teacher_loss: str
+    teacher_topk: int
+    teacher_clip: float
+    teacher_low: float
+
+    @classmethod
+    def from_args(cls, a) -> "UpdateConfig":
+        return cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls)})
+
+
+def update(model, opt, samples: list[Sample], args: UpdateConfig, pad_id, device, use_teacher: bool):
     """One epoch over the samples of every rank in mini-batches of --mini_batch samples (Eq. 10-12). The mini-batches
     are those one rank holding every sample would cut after one shuffle (`distributed.global_mini_batches`), each
     dealt out equally over the ranks, so the update does not depend on the number of ranks or on how unequal their
@@ -652,8 +683,8 @@ def token_counts(chunk: list[Sample], drop_zero_adv: bool) -> TokenCounts:
     return TokenCounts(*(float(x) / D.WORLD for x in all_reduce(local)))
 
 
-def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: TokenCounts, args: Args, pad_id, device,
-               use_teacher: bool, sums: "UpdateSums", first: bool):
+def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: TokenCounts, args: UpdateConfig, pad_id,
+               device, use_teacher: bool, sums: "UpdateSums", first: bool):
     """Forward and backward of one micro-batch of student turns or (`skill`) skill samples, or of a dummy that
     weighs 0 (`empty`): the loss of Eq. (12) over its mini-batch's token counts; its metrics go into `sums`."""
     ids, attn, tgt, mask = collate([(s.prompt_ids, s.response_ids) for s in sub], pad_id, device)
@@ -688,7 +719,8 @@ def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: Token
     sums.add(step_metrics, skill, float(mask.sum()))
 
 
-def teacher_support_of(sub: list[Sample], logp_all: torch.Tensor, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_support_of(sub: list[Sample], logp_all: torch.Tensor, args: UpdateConfig) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
     """Eq. (11c-d)'s inputs [B, R, K]: the student's log-probs (with grad) on the teacher's support, its top-K
     tokens at each position (topk) or the whole vocabulary (full), and the teacher's there. A row without a
     teacher gets the student's own values (KL 0; `score` gave it λ = 0 as well)."""
@@ -708,7 +740,7 @@ def teacher_support_of(sub: list[Sample], logp_all: torch.Tensor, args: Args) ->
     return student, teacher
 
 
-def optimizer_step(model, opt, args: Args, metrics: dict, n_mini: int):
+def optimizer_step(model, opt, args: UpdateConfig, metrics: dict, n_mini: int):
     """Clip the gradient norm and step AdamW at the (warmed-up) rate; a non-finite norm skips the step."""
     norm = D.clip_grad_norm(model, args.grad_clip)
     if not math.isfinite(norm):
@@ -873,7 +905,7 @@ def warm_start(run: Run):
     SFT ends it after the current step with its state in <run>/sft (harness/sft.py) and exits 143."""
     a = run.args
     pairs = load_sft_jsonl(a.sft_data) if a.sft_data else (
-        cpu_preset.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills) if a.model == "tiny" else [])
+        tiny.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills) if a.model == "tiny" else [])
     if pairs and a.sft_steps:
         t0 = time.time()
         with run.phases("sft"):

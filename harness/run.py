@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from harness import cpu_preset
+from harness import tiny
 from harness.config import changed_defaults, check_teacher_support
-from harness.cpu_preset import is_tiny
+from harness.tiny import is_tiny
 from infra import distributed as D
 from infra.distributed import (agreed_checkpoints, all_gather_obj, all_reduce, check_resume, full_state,
                                load_checkpoint, print0, save_checkpoint)
@@ -251,11 +251,11 @@ def log_row(run: "Run", row: dict):
 
 
 def resolve_model(args) -> str:
-    """--model as a path or hub name: 'tiny' stays (built from a config), a preset of cpu_preset.MODELS
+    """--model as a path or hub name: 'tiny' stays (built from a config), a preset of tiny.MODELS
     ('smollm2') becomes its converted folder in --cache_dir (rank 0 converts, the others wait)."""
-    if args.model not in cpu_preset.MODELS:
+    if args.model not in tiny.MODELS:
         return args.model
-    convert = cpu_preset.MODELS[args.model]
+    convert = tiny.MODELS[args.model]
     if D.RANK == 0:
         convert(args.cache_dir)
     D.barrier()
@@ -272,12 +272,12 @@ def load_model_and_tokenizer(args, run_dir: Path, texts_fn, model_path: str = ""
         if (tok_dir / "tokenizer.json").exists():
             tok = load_tokenizer(str(tok_dir))
         else:
-            specials = cpu_preset.SEARCH_SPECIALS if args.env == "search" else ()
-            tok = cpu_preset.train_tiny_tokenizer(texts_fn(), specials)
+            specials = tiny.SEARCH_SPECIALS if args.env == "search" else ()
+            tok = tiny.train_tiny_tokenizer(texts_fn(), specials)
             if D.RANK == 0:
                 tok.save_pretrained(tok_dir)
         torch.manual_seed(args.seed)
-        model = cpu_preset.tiny_model(len(tok), args)
+        model = tiny.tiny_model(len(tok), args)
     else:
         tok = load_tokenizer(model_path or args.model)
         # fp32 master weights on every path: AdamW at lr 1e-6 changed ~2% of bf16 weights a step (the
@@ -349,9 +349,9 @@ def setup(args) -> "Run":
     return Run(args, run_dir, device, data, eval_games, pool, summary={"config": dataclasses.asdict(args)},
                task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
                bank=SkillBank(args.bank_capacity),
-               skill_facts=cpu_preset.skill_facts_of_game if args.env == "alfworld" else None,
+               skill_facts=tiny.skill_facts_of_game if args.env == "alfworld" else None,
                given_skill=given_skills(args, data),
-               tool_action=cpu_preset.tool_action if args.env == "alfworld" else None)
+               tool_action=tiny.tool_action if args.env == "alfworld" else None)
 
 
 def checkpoint_bytes(n_params: int, args) -> int:
@@ -381,11 +381,11 @@ def check_disk(run: "Run"):
 
 
 def given_skills(args, data: EnvData) -> Optional[Callable]:
-    """[ours] --teacher_skill generic | wrong: task id → the skill its teacher is given (`cpu_preset`), after a
+    """[ours] --teacher_skill generic | wrong: task id → the skill its teacher is given (`tiny`), after a
     check that every training task has one (a teacher without its skill would train on nothing, silently)."""
     if args.env != "alfworld":
         return None
-    given = {"generic": cpu_preset.generic_skill_of_game, "wrong": cpu_preset.wrong_skill_of_game}
+    given = {"generic": tiny.generic_skill_of_game, "wrong": tiny.wrong_skill_of_game}
     if args.teacher_skill in given:
         missing = [t for t in data.train if given[args.teacher_skill](t) is None]
         if missing:
@@ -395,7 +395,7 @@ def given_skills(args, data: EnvData) -> Optional[Callable]:
                 f"training tasks (types {', '.join(kinds)}; e.g. {missing[0]}). generic needs the walkthrough.json "
                 "that scripts/alfworld_gen.py writes beside each game; wrong swaps the tool of clean, heat and cool "
                 "and has none for the other types: add --task_types clean,heat,cool")
-    return given.get(args.teacher_skill, cpu_preset.generic_skill_of_game)
+    return given.get(args.teacher_skill, tiny.generic_skill_of_game)
 
 
 def build_policy(run: "Run"):
@@ -403,7 +403,7 @@ def build_policy(run: "Run"):
     a = run.args
     run.model_path = resolve_model(a)
     run.model, run.tok = load_model_and_tokenizer(
-        a, run.run_dir, lambda: cpu_preset.tokenizer_texts(a, run.data, run.pool), run.model_path, run.device)
+        a, run.run_dir, lambda: tiny.tokenizer_texts(a, run.data, run.pool), run.model_path, run.device)
     check_teacher_support(a, run.model.config.vocab_size)
     check_disk(run)
     # [ours] the skill-writing budget: --skill_max_tokens, or room for the longest skill parse_skill accepts

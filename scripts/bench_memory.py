@@ -10,7 +10,7 @@ RSS once the model is loaded, so the figure is what the step itself allocates):
   step's [B, V] scores kept to read one log-prob per token (the engine before). `engine`: `rollout.HFEngine`,
   the sampled token's log-prob taken as generation goes (now).
 
-Models, no downloads: `smollm2` (SmolLM2-135M-Instruct, 49k vocabulary, harness/cpu_preset.py) and `qwen-tiny` (a
+Models, no downloads: `smollm2` (SmolLM2-135M-Instruct, 49k vocabulary, harness/tiny.py) and `qwen-tiny` (a
 1-block Qwen2, hidden 64, with Qwen's 151,936-row vocabulary: the logits dominate, as at 7B per token).
 
     python scripts/bench_memory.py --out results/bench_memory.json
@@ -41,16 +41,16 @@ def peak_mb() -> float:
 
 
 def load(name: str, cache: str):
-    from harness import cpu_preset
+    from harness import tiny
     import rollout
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     if name == "smollm2":
-        path = cpu_preset.smollm2(cache)
+        path = tiny.smollm2(cache)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rollout.load_tokenizer(path)
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(cfg), cpu_preset.qwen_tokenizer(cache)
+    return Qwen2ForCausalLM(cfg), tiny.qwen_tokenizer(cache)
 
 
 def one(a) -> dict:

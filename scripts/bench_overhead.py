@@ -62,7 +62,7 @@ def update_pair(model, tok, a) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-7)
 
     def trainer():
-        train.update(model, opt, samples, args, pad, "cpu", use_teacher=False)
+        train.update(model, opt, samples, train.UpdateConfig.from_args(args), pad, "cpu", use_teacher=False)
 
     def bare():
         model.train()

@@ -104,7 +104,7 @@ def in_prompt(a, ws: Path) -> dict:
     """The skills' worth in the prompt at the warm start: the held-out evaluation of train.py (its games, seed 0,
     --eval_repeats at --eval_temperature, common random numbers) without a skill, with each game's type-level
     skill and with its wrong-procedure skill; gains paired over games."""
-    from harness import cpu_preset
+    from harness import tiny
     from harness.config import parse_args
     from harness.run import build_policy, setup, teardown
     from rollout import evaluate, paired_gain
@@ -113,7 +113,7 @@ def in_prompt(a, ws: Path) -> dict:
     run = setup(args)
     try:
         build_policy(run)
-        given = {"none": None, "right": cpu_preset.generic_skill_of_game, "wrong": cpu_preset.wrong_skill_of_game}
+        given = {"none": None, "right": tiny.generic_skill_of_game, "wrong": tiny.wrong_skill_of_game}
         won = {}
         for name, skill_of in given.items():
             skills = {g: skill_of(g) for g in run.eval_games} if skill_of else None

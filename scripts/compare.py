@@ -42,7 +42,7 @@ def warm_start(a, extra: list[str]) -> list[str]:
             subprocess.run(cmd, check=True, cwd=ROOT)
     if not (path / "config.json").exists():
         raise SystemExit(f"error: --warm_start {path}: not a Hugging Face model folder (no config.json)")
-    # a tiny-preset checkpoint gets the tiny preset's settings by itself (cpu_preset.is_tiny); flags given after
+    # a tiny-preset checkpoint gets the tiny preset's settings by itself (tiny.is_tiny); flags given after
     # `--` come later on the command line and win
     return ["--model", str(path), "--sft_steps", "0"]
 

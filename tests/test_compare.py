@@ -25,9 +25,9 @@ def test_warm_start_flags_and_bad_folder(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert C.warm_start(a, []) == ["--model", str(tmp_path), "--sft_steps", "0"]
     # the tiny preset's settings travel with the shared warm start: a run loading it from a path gets them
-    from harness import cpu_preset
+    from harness import tiny
     import train as T
-    cpu_preset.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)
+    tiny.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)
     args = T.parse_args(C.warm_start(a, []) + ["--preset", "none"])
     assert (args.opsd_keep, args.replay_m, args.constrained, args.lr, args.max_new_tokens) == (0.3, 2, True, 5e-5, 48)
     args = T.parse_args(C.warm_start(a, []))           # the default preset: the default run's RL settings as well

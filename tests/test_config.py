@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from harness import config, cpu_preset  # noqa: E402
+from harness import config, tiny  # noqa: E402
 
 
 def test_the_default_run_is_the_heldout_preset_and_preset_none_keeps_the_tiny_one(monkeypatch):
@@ -41,7 +41,7 @@ def test_no_preset_depends_on_where_the_data_lies(tmp_path, monkeypatch):
 
 
 def test_a_tiny_checkpoint_takes_the_rl_part_of_the_default_run(tmp_path):
-    cpu_preset.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)   # what is_tiny reads
+    tiny.train_tiny_tokenizer(["go to desk 1"]).save_pretrained(tmp_path)   # what is_tiny reads
     c = config.parse_args(["--model", str(tmp_path)])
     assert (c.sft_hold_out, c.sft_rl_games, c.constrained, c.max_env_steps, c.alpha, c.lr) == \
         ("", True, False, 8000, 0.1, 5e-5)

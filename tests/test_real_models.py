@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from harness import cpu_preset  # noqa: E402
+from harness import tiny  # noqa: E402
 import train as T  # noqa: E402
 import rollout as R  # noqa: E402
 import envs  # noqa: E402
@@ -27,7 +27,7 @@ QWEN_EOS, QWEN_PAD, QWEN_START = 151645, 151643, 151644
 
 @pytest.fixture(scope="module")
 def qtok():
-    return cpu_preset.qwen_tokenizer(CACHE)
+    return tiny.qwen_tokenizer(CACHE)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_tiny_qwen_with_qwens_vocabulary_through_the_entry_point(tiny_qwen, tmp_
 @pytest.mark.parametrize("algo", ["rsipo", "grpo"])
 def test_smollm2_one_step_end_to_end(algo, tmp_path, monkeypatch):
     seen = _capture_updates(monkeypatch)
-    path = cpu_preset.smollm2(CACHE)
+    path = tiny.smollm2(CACHE)
     T.main(["--model", "smollm2", "--algo", algo, "--steps", "1", "--sft_steps", "0", "--eval", "false",
             "--tasks_per_step", "1", "--group_size", "2", "--max_turns", "2", "--history_len", "1",
             "--max_new_tokens", "32", "--drop_zero_adv", "false", "--lr", "1e-4", "--replay_m", "1",

@@ -12,10 +12,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
+import skills  # noqa: E402
 import train as T  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts"))
 import replay_sim as S  # noqa: E402
-from harness.cpu_preset import game_truth  # noqa: E402
+from harness.tiny import game_truth  # noqa: E402
 from rollout import Episode  # noqa: E402
 
 
@@ -162,6 +163,6 @@ def test_task_terms_name_the_object_and_target_of_every_shipped_game():
         target = truth["toggle"] if truth["type"] == "look" else truth["recep"]
         assert envs.task_terms(task) == (truth["object"], target), (wt, task)
     assert envs.task_terms("go to the moon.") == ()
-    assert envs.names_task("Take the apples, then go to fridge 1.", ("apple", "fridge"))
-    assert not envs.names_task("take the pineapple to the fridge", ("apple", "fridge"))   # a word, not a substring
-    assert envs.names_task("anything", ())
+    assert skills.names_task("Take the apples, then go to fridge 1.", ("apple", "fridge"))
+    assert not skills.names_task("take the pineapple to the fridge", ("apple", "fridge"))   # a word, not a substring
+    assert skills.names_task("anything", ())

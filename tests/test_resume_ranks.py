@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as T  # noqa: E402
 from infra import distributed as D  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import tiny  # noqa: E402
 from test_train import TINY  # noqa: E402
 
 ARGS = T.Args(tiny_hidden=32)
@@ -26,7 +26,7 @@ ARGS = T.Args(tiny_hidden=32)
 
 def _model_opt(sharded: bool = False):
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, ARGS)
+    model = tiny.tiny_model(50, ARGS)
     model = D.shard(model) if sharded else model
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -67,7 +67,7 @@ def test_a_run_whose_out_dir_cannot_hold_a_checkpoint_is_refused_at_start(tmp_pa
     with pytest.raises(SystemExit) as e:
         T.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "full"])
     msg = str(e.value)
-    n = sum(p.numel() for p in cpu_preset.tiny_model(len(cpu_preset.train_tiny_tokenizer(["a"])), ARGS).parameters())
+    n = sum(p.numel() for p in tiny.tiny_model(len(tiny.train_tiny_tokenizer(["a"])), ARGS).parameters())
     assert "has 0.00 GB free" in msg and "a checkpoint of this run needs" in msg and "--check_disk false" in msg
     assert "× 12 bytes" in msg and n > 0
     assert not (tmp_path / "full" / "ckpt").exists()                   # nothing was computed or written

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
 import rollout as R  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import tiny as tiny_preset  # noqa: E402
 from infra.env_backends import list_games  # noqa: E402
 from envs import EnvPool, format_action, parse_action  # noqa: E402
 from rollout import HFEngine, run_episodes, chat_ids, _PrefixTrie  # noqa: E402
@@ -22,10 +22,10 @@ DATA = str(ROOT / "data" / "alfworld")
 @pytest.fixture(scope="module")
 def tiny():
     games = list_games(DATA, "train")[:12]
-    pairs = cpu_preset.walkthrough_samples(games, 2)
-    tok = cpu_preset.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
+    pairs = tiny_preset.walkthrough_samples(games, 2)
+    tok = tiny_preset.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(len(tok), T.Args()).eval()
+    model = tiny_preset.tiny_model(len(tok), T.Args()).eval()
     return tok, model, pairs
 
 
@@ -171,7 +171,7 @@ def test_response_logprobs_equal_the_full_forward_of_each_sequence_alone():
     # logits at the response positions only (left-padded prompts, explicit positions) must give the same
     # log-probs as a plain forward of each unpadded sequence: the trainer's ℓ is what the sampler saw
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, T.Args(tiny_hidden=32)).eval()
+    model = tiny_preset.tiny_model(50, T.Args(tiny_hidden=32)).eval()
     samples = [([1, 2, 3, 4, 5, 6], [7, 8]), ([9, 3], [4, 5, 6, 7]), ([2], [3])]
     ids, attn, tgt, mask = R.collate(samples, pad_id=0, device="cpu")
     lp, ent = R.token_logprobs_of(model, ids, attn, tgt, with_entropy=True)
@@ -201,7 +201,7 @@ def test_score_tokens_keeps_no_graph():
     # with a model whose parameters require grad must return tensors without a graph (a kept graph per
     # turn exhausted 24 GB in the skill probe)
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, T.Args(tiny_hidden=32))
+    model = tiny_preset.tiny_model(50, T.Args(tiny_hidden=32))
     assert all(p.requires_grad for p in model.parameters())
     out = R.score_tokens(model, [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])], pad_id=0, device="cpu", micro_batch=1)
     assert [o.shape[0] for o in out] == [2, 3]
@@ -210,7 +210,7 @@ def test_score_tokens_keeps_no_graph():
 
 def test_tokenizer_without_chat_template_or_pad_token(tmp_path):
     from transformers import PreTrainedTokenizerFast
-    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1 <|endoftext|>"], extra_specials=["<|endoftext|>"])
+    tok = tiny_preset.train_tiny_tokenizer(["go to desk 1 <|endoftext|>"], extra_specials=["<|endoftext|>"])
     tok.pad_token = tok.eos_token                      # pad = EOS, as SmolLM2 ships
     tok.save_pretrained(tmp_path / "ok")
     back = R.load_tokenizer(str(tmp_path / "ok"))

@@ -487,11 +487,11 @@ def test_evaluation_requests_carry_the_same_seeds_in_every_evaluation(bm25, qa):
 
 
 def test_hf_engine_stop_texts(tmp_path):
-    from harness import cpu_preset
+    from harness import tiny
     import train as T
     from rollout import HFEngine
-    tok = cpu_preset.train_tiny_tokenizer(["a b <search> c </search> <answer> d </answer> user assistant"], cpu_preset.SEARCH_SPECIALS)
-    model = cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
+    tok = tiny.train_tiny_tokenizer(["a b <search> c </search> <answer> d </answer> user assistant"], tiny.SEARCH_SPECIALS)
+    model = tiny.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
     eng = HFEngine(model, tok, max_new_tokens=4, stop_texts=list(envs.SearchPool.stop_texts))
     assert eng.stop_ids == [tok.convert_tokens_to_ids("</search>"), tok.convert_tokens_to_ids("</answer>")]
     assert HFEngine(model, tok).stop_texts == ["</action>"]          # the ALFWorld default is unchanged

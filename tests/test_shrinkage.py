@@ -400,3 +400,15 @@ def test_calibration_perfect_forecast_and_edges():
 def test_calibration_bad_input(lam, d, match):
     with pytest.raises(ValueError, match=match):
         calibration(lam, d)
+
+
+def test_an_uninformative_replay_gets_no_trust_but_stays_in_the_fit():
+    g, v, types = [0.5, 0.0, -0.25, 0.25, 0.0], [0.05, 0.04, 0.05, 0.06, 0.04], ["a"] * 5
+    informative = [True, False, True, True, True]
+    lam, info = teacher_trust(g, v, types, informative=informative)
+    base, base_info = teacher_trust(g, v, types)
+    assert lam[1] == 0.0 and base[1] > 0                                  # Φ(ĝ/√V) > 0 would trust any text
+    assert np.array_equal(np.delete(lam, 1), np.delete(base, 1))           # the others, as without the rule
+    assert np.array_equal(info["mean"], base_info["mean"])                 # its g = 0 still entered the fit
+    one, _ = teacher_trust(g, v, types, mode="one", informative=informative)
+    assert one.tolist() == [1.0, 0.0, 1.0, 1.0, 1.0]

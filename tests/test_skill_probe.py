@@ -10,7 +10,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import tiny  # noqa: E402
 from infra.env_backends import list_games  # noqa: E402
 
 DATA = ROOT / "data" / "alfworld"
@@ -20,22 +20,22 @@ GAME = DATA / "json_2.1.1/valid_unseen/look_at_obj_in_light-BasketBall-None-Desk
 def _tiny_model(games, folder: Path):
     """A randomly initialised tiny model, with a tokenizer trained on the games' warm-start text, saved as a
     Hugging Face folder."""
-    pairs = cpu_preset.walkthrough_samples(games, 2, skills=True)
-    tok = cpu_preset.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
+    pairs = tiny.walkthrough_samples(games, 2, skills=True)
+    tok = tiny.train_tiny_tokenizer([p + " " + r for p, r in pairs] + ["user assistant"])
     torch.manual_seed(0)
-    cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).save_pretrained(folder)
+    tiny.tiny_model(len(tok), T.Args(tiny_hidden=32)).save_pretrained(folder)
     tok.save_pretrained(folder)
 
 
 def test_game_rule_skills_name_where_the_walkthrough_took_the_object():
     # walkthrough: go to desk 1, take basketball 1 from desk 1, use desklamp 1; task type look
-    won, failed = cpu_preset.game_rule_skills(GAME / "walkthrough.json")
+    won, failed = tiny.game_rule_skills(GAME / "walkthrough.json")
     assert won.startswith("the basketball was at desk 1; otherwise go to each receptacle")
     assert won.endswith("then go to the desklamp and use the desklamp.")
     assert failed.startswith("do not repeat the same action")
     assert failed.endswith("use it while holding the basketball.") and "desk 1" not in failed
     # without the place: the same workflow minus "the basketball was at desk 1; otherwise "
-    assert cpu_preset.game_rule_skills(GAME / "walkthrough.json", with_place=False)[0] == won.split("; otherwise ", 1)[1]
+    assert tiny.game_rule_skills(GAME / "walkthrough.json", with_place=False)[0] == won.split("; otherwise ", 1)[1]
 
 
 def test_skill_probe_runs_every_condition(tmp_path):
@@ -132,12 +132,12 @@ def test_skill_facts_against_the_games_truth(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     import skill_probe
     wt = GAME / "walkthrough.json"   # look: basketball, found at desk 1, desklamp
-    right = cpu_preset.game_rule_skills(wt)[0]
-    assert cpu_preset.skill_facts(right, wt) == {"object": True, "target": True, "tool": True, "place": True,
+    right = tiny.game_rule_skills(wt)[0]
+    assert tiny.skill_facts(right, wt) == {"object": True, "target": True, "tool": True, "place": True,
                                                   "wrong_tool": False}
     # another object, no lamp, the wrong place, a tool of another type ("desk 10" is not "desk 1")
     wrong = "the mug was at desk 10; go to the microwave and heat the mug; then go to the desk."
-    assert cpu_preset.skill_facts(wrong, wt) == {"object": False, "target": False, "tool": True, "place": False,
+    assert tiny.skill_facts(wrong, wt) == {"object": False, "target": False, "tool": True, "place": False,
                                                   "wrong_tool": True}
     bank = {"look": [{"text": right, "task_id": str(GAME / "game.tw-pddl")},
                      {"text": wrong, "task_id": str(GAME / "game.tw-pddl")},

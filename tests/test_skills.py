@@ -347,7 +347,7 @@ def test_parse_skill_accepts_spaced_key_from_word_level_decoding():
 
 
 def test_rule_skill_success_and_failure_texts():
-    from harness.cpu_preset import rule_skill
+    from harness.tiny import rule_skill
     s = rule_skill("heat", "Apple", "CounterTop", won=True, visited=["countertop 2"])
     assert s.startswith("the apple was at countertop 2;")
     assert "go to the microwave and heat the apple with it" in s and s.endswith("move the apple to it.")

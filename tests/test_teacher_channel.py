@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
 import rollout  # noqa: E402
 import train as T  # noqa: E402
-from harness import config, cpu_preset  # noqa: E402
+from harness import config, tiny  # noqa: E402
 from infra import distributed as D  # noqa: E402
 from harness.run import Run  # noqa: E402
 from rollout import Turn  # noqa: E402
@@ -22,20 +22,20 @@ CLEAN = sorted((ROOT / "data/alfworld_clean/json_2.1.1/train").glob("*/*/game.tw
 
 
 def test_tool_actions_of_each_type():
-    assert cpu_preset.tool_action("go to sinkbasin 1", "clean") and cpu_preset.tool_action("clean mug 1 with sinkbasin 1", "clean")
-    assert not cpu_preset.tool_action("go to countertop 1", "clean")
-    assert cpu_preset.tool_action("heat potato 1 with microwave 1", "heat") and not cpu_preset.tool_action("go to sinkbasin 1", "heat")
-    assert not cpu_preset.tool_action("go to sinkbasin 1", "pick")   # pick has no tool
+    assert tiny.tool_action("go to sinkbasin 1", "clean") and tiny.tool_action("clean mug 1 with sinkbasin 1", "clean")
+    assert not tiny.tool_action("go to countertop 1", "clean")
+    assert tiny.tool_action("heat potato 1 with microwave 1", "heat") and not tiny.tool_action("go to sinkbasin 1", "heat")
+    assert not tiny.tool_action("go to sinkbasin 1", "pick")   # pick has no tool
 
 
 def test_generic_teacher_skill_is_the_games_type_level_workflow():
     args = T.parse_args(["--algo", "opsd", "--teacher_skill", "generic"])
     run = Run(args, Path("."), torch.device("cpu"), None, [], None, skill_rng=random.Random(0),
-              given_skill=cpu_preset.generic_skill_of_game)
+              given_skill=tiny.generic_skill_of_game)
     b = T.Batch([{"gamefile": str(CLEAN)}], [], [], [], [T.TaskRecord(str(CLEAN), "clean")])
     T.write_skills(run, b)   # no engine: nothing is generated
     rec = b.records[0]
-    assert rec.skill == cpu_preset.game_rule_skills(CLEAN.with_name("walkthrough.json"), with_place=False)[0]
+    assert rec.skill == tiny.game_rule_skills(CLEAN.with_name("walkthrough.json"), with_place=False)[0]
     assert "sinkbasin" in rec.skill and rec.replay_ok and rec.source == "generic"
     assert b.skill_gens[0].token_ids == []                          # no skill-writing sample
     for argv in (["--algo", "rsipo", "--teacher_skill", "generic"], ["--algo", "opsd", "--teacher_skill", "generic",
@@ -48,7 +48,7 @@ def test_teacher_gaps_split_tool_actions_from_the_rest():
     class Pool:
         parse_action = staticmethod(envs.parse_action)
 
-    run = Run(T.Args(), Path("."), torch.device("cpu"), None, [], Pool(), tool_action=cpu_preset.tool_action)
+    run = Run(T.Args(), Path("."), torch.device("cpu"), None, [], Pool(), tool_action=tiny.tool_action)
 
     def sample(action, teacher, old, step=0):
         turn = Turn([1], [2, 3], [], False, "g", "clean", 0, 0, step,
@@ -142,7 +142,7 @@ def test_score_asks_the_chosen_weights_for_the_teacher(tmp_path, weights):
 
 
 def test_a_teacher_prompt_that_holds_none_of_its_skill_stops_the_run(tmp_path):
-    tok = cpu_preset.train_tiny_tokenizer(["go to the sinkbasin and clean the mug", "Your task is to: clean a mug"])
+    tok = tiny.train_tiny_tokenizer(["go to the sinkbasin and clean the mug", "Your task is to: clean a mug"])
     run = Run(T.Args(), tmp_path, torch.device("cpu"), None, [], None)
     run.tok = tok
     prompt = tok.encode("Your task is to: clean a mug", add_special_tokens=False)
@@ -197,8 +197,8 @@ def test_bad_teacher_options_are_refused_naming_the_flag(tmp_path):
 
 
 def test_the_wrong_procedure_skill_swaps_only_the_tool_and_verb():
-    right, wrong = cpu_preset.generic_skill_of_game(str(CLEAN)), cpu_preset.wrong_skill_of_game(str(CLEAN))
+    right, wrong = tiny.generic_skill_of_game(str(CLEAN)), tiny.wrong_skill_of_game(str(CLEAN))
     assert "go to the sinkbasin and clean the" in right and "go to the fridge and cool the" in wrong
     assert right.replace("sinkbasin and clean", "fridge and cool") == wrong
     pick = next(g for g in sorted((ROOT / "data/alfworld/json_2.1.1/train").glob("pick_and_place_simple*/*/game.tw-pddl")))
-    assert cpu_preset.wrong_skill_of_game(str(pick)) is None and cpu_preset.generic_skill_of_game(str(pick))
+    assert tiny.wrong_skill_of_game(str(pick)) is None and tiny.generic_skill_of_game(str(pick))

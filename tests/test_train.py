@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
 from infra import distributed as D  # noqa: E402
 import rollout as R  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import tiny  # noqa: E402
 from harness import calibration, run as harness_run, sft as harness_sft  # noqa: E402
 
 TINY = ["--sft_steps", "40", "--steps", "2", "--tasks_per_step", "2", "--group_size", "2",
@@ -120,7 +120,7 @@ def _skill_writing_sft(path: Path) -> Path:
     import envs
     from skills import ANALYZER_HEAD
     args = T.parse_args(TINY)
-    pairs = cpu_preset.warm_start_pairs(args, envs.env_data(args, None), None, skills=True)
+    pairs = tiny.warm_start_pairs(args, envs.env_data(args, None), None, skills=True)
     path.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in pairs
                             if p.startswith(ANALYZER_HEAD)))
     return path
@@ -257,13 +257,13 @@ def test_torchrun_two_cpu_ranks(tmp_path, algo):
 UNEVEN_UPDATE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from harness import cpu_preset
+from harness import tiny
 from infra import distributed as D
 import train as T
 D.setup()
 args = T.Args(tiny_hidden=32, c_kl=0.01, c_ent=0.001, micro_batch=2, mini_batch=8)
 torch.manual_seed(0)
-model = D.shard(cpu_preset.tiny_model(50, args))
+model = D.shard(tiny.tiny_model(50, args))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ref = torch.full((2,), -4.0)
 # rank 0: two student turns and one skill sample, all with a reference; rank 1: nothing at all
@@ -271,7 +271,7 @@ ref = torch.full((2,), -4.0)
 mine = [T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0), ref),
         T.Sample([1, 2], [6, 7], -1.0, torch.full((2,), -3.0), ref),
         T.Sample([3, 4], [8, 9], 0.5, torch.full((2,), -3.0), ref, skill=True)] if D.RANK == 0 else []
-m = T.update(model, opt, mine, args, pad_id=0, device="cpu", use_teacher=False)
+m = T.update(model, opt, mine, T.UpdateConfig.from_args(args), pad_id=0, device="cpu", use_teacher=False)
 open(sys.argv[2] + f"/rank{D.RANK}.json", "w").write(json.dumps(m))
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
@@ -281,8 +281,9 @@ D.exit_process(0)   # no gloo teardown abort after the work is done
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
 def test_two_ranks_where_one_runs_only_dummy_micro_batches_with_kl_on(tmp_path):
-    # A rank with no samples runs zero-weight dummies, which have no reference and so no kl/k3 key:
-    # the ranks' metric lists differed in length and gloo aborted the all-reduce.
+    # A rank with no samples of a kind runs zero-weight dummies, which have no reference and so no kl/k3 key:
+    # the ranks' metric lists differed in length and gloo aborted the all-reduce. (Rank 1 holds no sample; the
+    # one mini-batch is dealt 2 to 1, and the skill sample's call runs a dummy on the rank without it.)
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN_UPDATE)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
@@ -291,7 +292,8 @@ def test_two_ranks_where_one_runs_only_dummy_micro_batches_with_kl_on(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m0, m1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
-    assert m0 == m1   # every rank reports the same reduced metrics
+    untimed = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}   # noqa: E731 (each rank's clock)
+    assert untimed(m0) == untimed(m1)   # every rank reports the same reduced metrics
     # the KL terms of both kinds are there (rank 0's) and positive: ℓ_ref = -4 differs from the policy's ℓ
     assert m0["kl/k3"] > 0 and m0["skill_kl/k3"] > 0 and m0["update/grad_norm"] > 0
     assert m0["update/tokens"] == 4   # student response tokens over both ranks: 2 + 2 on rank 0, none on rank 1
@@ -300,16 +302,16 @@ def test_two_ranks_where_one_runs_only_dummy_micro_batches_with_kl_on(tmp_path):
 def test_nan_loss_skips_the_optimizer_step_and_keeps_parameters():
     args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8)
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, args)
+    model = tiny.tiny_model(50, args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     s = T.Sample([1, 2, 3], [4, 5], float("nan"), torch.zeros(2))   # a NaN advantage → NaN loss
-    m = T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)
+    m = T.update(model, opt, [s], T.UpdateConfig.from_args(args), pad_id=0, device="cpu", use_teacher=False)
     assert m["update/skipped"] == 1 and "update/grad_norm" not in m
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # a finite sample does move the parameters
     s = T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0))
-    m = T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)
+    m = T.update(model, opt, [s], T.UpdateConfig.from_args(args), pad_id=0, device="cpu", use_teacher=False)
     assert m["update/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -317,10 +319,11 @@ def test_nan_loss_skips_the_optimizer_step_and_keeps_parameters():
 def test_lr_warmup_ramps_with_adams_own_step_count():
     args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8, lr=1e-3, lr_warmup=4)
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, args)
+    model = tiny.tiny_model(50, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     s = T.Sample([1, 2, 3], [4, 5], 1.0, torch.full((2,), -3.0))
-    lrs = [T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=False)["update/lr"] for _ in range(5)]
+    cfg = T.UpdateConfig.from_args(args)
+    lrs = [T.update(model, opt, [s], cfg, pad_id=0, device="cpu", use_teacher=False)["update/lr"] for _ in range(5)]
     # steps taken before each update: 0, 1, 2, 3, 4 → lr · min(1, (n+1)/4)
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
 
@@ -345,7 +348,7 @@ def test_sft_micro_batches_give_the_whole_batch_gradient():
     # tokens, so loss and gradient must equal the single padded batch's token mean.
     args = T.Args(tiny_hidden=32)
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, args)
+    model = tiny.tiny_model(50, args)
     batch = [(list(range(1, 25)), [5, 6, 7, 8, 9, 10]), ([3, 4], [5, 6]), ([1, 2, 3, 4], [7, 8, 9]),
              ([2] * 8, [9, 8, 7, 6])]
     assert D.micro_batches(sorted(len(p) + len(r) for p, r in batch), 4, 16) == [[0, 1], [2], [3]]
@@ -371,9 +374,9 @@ def test_sft_skips_a_step_whose_gradient_is_not_finite(monkeypatch):
     """One non-finite gradient would make every weight NaN (seen at 0.5B on a GPU: the evaluation after SFT
     then failed in sampling): such a step is skipped and counted, and a finite one still trains."""
     args = T.Args(tiny_hidden=32, sft_steps=3, sft_batch=2, sft_lr=1e-2)
-    tok = cpu_preset.train_tiny_tokenizer(["go to the fridge now", "open it"])
+    tok = tiny.train_tiny_tokenizer(["go to the fridge now", "open it"])
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(len(tok), args)
+    model = tiny.tiny_model(len(tok), args)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     pairs = [("go to the fridge", "now"), ("open", "it")]
     real = harness_sft.sft_loss_backward
@@ -417,7 +420,7 @@ def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monke
     # On one GPU without torchrun, --dtype auto used to load bf16 weights, and AdamW at lr 1e-6 then changed
     # ~2% of them per step. Now every path loads fp32 master weights; bf16 is FSDP2's compute dtype.
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    tok = cpu_preset.train_tiny_tokenizer(["go to desk 1"])
+    tok = tiny.train_tiny_tokenizer(["go to desk 1"])
     Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2)).to(torch.bfloat16).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
@@ -457,20 +460,21 @@ def test_update_refuses_a_trusted_sample_without_teacher_log_probs():
     # λ > 0 with no ℓ^T would still raise the turn's tokens by λ·σ(0)·∇ℓ through ℓ^T := ℓ: `score` never makes
     # one, and update says so rather than train on it
     args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8, alpha=1.0)
-    model = cpu_preset.tiny_model(50, args)
+    model = tiny.tiny_model(50, args)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     s = T.Sample([1, 2, 3], [4, 5], 0.5, torch.full((2,), -3.0), trust=0.8)   # teacher None
     with pytest.raises(ValueError, match="no teacher log-probs"):
-        T.update(model, opt, [s], args, pad_id=0, device="cpu", use_teacher=True)
+        T.update(model, opt, [s], T.UpdateConfig.from_args(args), pad_id=0, device="cpu", use_teacher=True)
 
 
 def _update_grads(samples, **kw):
     args = T.Args(**{"tiny_hidden": 32, "c_kl": 0.0, "c_ent": 0.0, "micro_batch": 4, "mini_batch": 8, "alpha": 0.0,
                      "grad_clip": 1e9, **kw})   # no clipping: it would rescale both gradients to the same norm
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(50, args)
+    model = tiny.tiny_model(50, args)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    T.update(model, opt, samples, args, pad_id=0, device="cpu", use_teacher=kw.get("alpha", 0) > 0)
+    T.update(model, opt, samples, T.UpdateConfig.from_args(args), pad_id=0, device="cpu",
+             use_teacher=kw.get("alpha", 0) > 0)
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 

@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import tiny  # noqa: E402
 from harness.sft import sft_loss_backward  # noqa: E402
 from infra import distributed as D  # noqa: E402
 
@@ -44,14 +44,14 @@ def _sft_pairs() -> list:
 
 def _model():
     torch.manual_seed(0)
-    return cpu_preset.tiny_model(50, ARGS)
+    return tiny.tiny_model(50, ARGS)
 
 
 def _rl_update(samples: list):
     model = D.shard(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     random.seed(0)                                     # rank 0's draw seeds the shared shuffle
-    metrics = T.update(model, opt, samples, ARGS, pad_id=0, device="cpu", use_teacher=False)
+    metrics = T.update(model, opt, samples, T.UpdateConfig.from_args(ARGS), pad_id=0, device="cpu", use_teacher=False)
     steps = int(next(iter(opt.state.values()))["step"])
     return D.full_state(model), steps, metrics
 

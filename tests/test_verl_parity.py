@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 import rsipo  # noqa: E402
 import train as T  # noqa: E402
 from rollout import Episode, Turn, token_logprobs_of  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import tiny  # noqa: E402
 
 
 def test_dual_clip_caps_a_negative_advantage_token_at_c():
@@ -110,7 +110,7 @@ def test_env_error_episodes_leave_the_group_statistics():
 
 def test_trainer_log_probs_are_at_the_sampling_temperature():
     torch.manual_seed(0)
-    model = cpu_preset.tiny_model(20, T.Args(tiny_hidden=32)).eval()
+    model = tiny.tiny_model(20, T.Args(tiny_hidden=32)).eval()
     ids = torch.tensor([[3, 4, 5, 6]])
     attn = torch.ones_like(ids)
     tgt = ids[:, 2:]

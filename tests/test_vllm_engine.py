@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
 from infra import distributed as D  # noqa: E402
 import rollout as R  # noqa: E402
-from harness import cpu_preset  # noqa: E402
+from harness import tiny  # noqa: E402
 from harness.vllm_engine import VLLMEngine  # noqa: E402
 from rollout import STOP_TEXT, chat_ids  # noqa: E402
 
@@ -170,7 +170,7 @@ def fake_vllm(monkeypatch):
 @pytest.fixture(scope="module")
 def tok():
     texts = ["go to desk 1 take apple 1 from desk 1 done", "user assistant <think> </think> <action> </action>"]
-    return cpu_preset.train_tiny_tokenizer(texts)
+    return tiny.train_tiny_tokenizer(texts)
 
 
 def ids_of(tok, text):
@@ -371,7 +371,7 @@ class Shard:
 @pytest.mark.parametrize("runner", ["v2", "v1"])
 def test_weight_sync_pushes_every_parameter_once_with_names_and_full_shapes(fake_vllm, tok, runner, monkeypatch):
     monkeypatch.setattr(FakeLLM, "runner", runner)   # the GPU default (V2) and the V1 / CPU runner
-    model = cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32, tiny_layers=2))
+    model = tiny.tiny_model(len(tok), T.Args(tiny_hidden=32, tiny_layers=2))
     params = list(model.named_parameters())     # tied embeddings: lm_head is not listed again
     assert "lm_head.weight" not in dict(params)
     eng = make(tok)
@@ -477,7 +477,7 @@ def test_micro_batches_by_count_and_by_token_budget():
 
 def test_score_tokens_by_token_budget_keeps_sample_order(tok):
     torch.manual_seed(0)
-    m = cpu_preset.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
+    m = tiny.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
     S = [(ids_of(tok, "go to desk 1"), ids_of(tok, "take apple")), (ids_of(tok, "go"), ids_of(tok, "desk 1 take apple 1")),
          (ids_of(tok, "go to desk 1 take apple go to"), ids_of(tok, "go"))]
     a = R.score_tokens(m, S, tok.pad_token_id, "cpu", 32)

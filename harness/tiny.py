@@ -1,6 +1,9 @@
-"""The CPU presets **[ours]**: everything that lets this project run and be tested on a 2-core CPU with no
-downloads. None of it is the paper's method; the paper's files (rsipo.py, shrinkage.py, skills.py, envs.py,
-rollout.py, train.py) do not depend on it except through `--model`.
+"""The tiny model and what it stands on **[ours]**: the tiny Qwen2 and its word-level tokenizer, its warm start's
+data (walkthroughs, skill annotations, held-out procedures), the games' truth that the diagnostics read (the
+type-level, wrong-procedure and oracle skills, the tools), and SmolLM2 and Qwen's tokenizer offline: what lets this
+project run and be tested on a 2-core CPU with no downloads. None of it is the paper's method; the paper's files
+(rsipo.py, shrinkage.py, skills.py, envs.py, rollout.py, train.py) do not depend on it except through `--model`.
+(The named presets, the tables of flag values, live in harness/config.py.)
 
 The tiny preset (`--model tiny`, the default run):
 * `train_tiny_tokenizer`: a word-level tokenizer over the environment's text with a chat template, in
