@@ -22,6 +22,7 @@ from infra import env_backends  # noqa: E402
 import envs  # noqa: E402
 from infra.env_backends import TASK_TYPES, EnvDataError, GameCache, game_task_type, list_games  # noqa: E402
 from env_doubles import SLEEP, SleepyEnv  # noqa: E402
+import skills  # noqa: E402
 from envs import MAX_ACTION_CHARS, NOTHING_HAPPENS, R_WIN, AlfWorldEnv, EnvPool, build_prompt, parse_action  # noqa: E402
 
 DATA = os.path.join(ROOT, "data", "alfworld")
@@ -87,7 +88,6 @@ def test_prompt_without_admissible_and_task_line():
 
 
 def test_prompt_skill_insertion_point():
-    skills = pytest.importorskip("skills")
     p = build_prompt("find a mug.", "Your task is to: find a mug.", ["look"], [("a", "b")])
     q = skills.insert_skill(p, "go to the shelf first", envs.TASK_PREFIX + "find a mug.")
     assert q.split("\n")[2] == "Skill for this task: [go to the shelf first]"

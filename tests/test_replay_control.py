@@ -15,7 +15,9 @@ import envs  # noqa: E402
 import skills  # noqa: E402
 import train as T  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts"))
-import replay_sim as S  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+import replay_sim as S  # noqa: E402  (the simulation script, which this file tests)
+from env_doubles import SimEngine, SimPool  # noqa: E402
 from harness.tiny import game_truth  # noqa: E402
 from rollout import Episode  # noqa: E402
 

@@ -14,20 +14,20 @@ sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
 from harness.run import Run  # noqa: E402
 from rollout import Episode  # noqa: E402
-from skills import SkillBank  # noqa: E402
-sys.path.insert(0, str(ROOT / "scripts"))
-import replay_sim as S  # noqa: E402
+from skills import SKILL_PREFIX, SkillBank  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+from env_doubles import TASK, SimEngine, SimPool  # noqa: E402
 
-SKILL = "take the apple to the fridge; written from a won episode"   # what S.SimEngine writes after a win
+SKILL = "take the apple to the fridge; written from a won episode"   # what SimEngine writes after a win
 
 
 def _run(args, pool=None, engine=None) -> Run:
-    return Run(args, Path("."), torch.device("cpu"), None, [], pool or S.SimPool({}, {}, 0), engine=engine,
+    return Run(args, Path("."), torch.device("cpu"), None, [], pool or SimPool({}, {}, 0), engine=engine,
                skill_rng=random.Random(0), bank=SkillBank(args.bank_capacity))
 
 
 def _group(rewards: list[float], task_id: str = "g0") -> list[Episode]:
-    return [Episode(task_id, "pick", S.TASK, 0, i, steps=[("obs", "act")], reward=r, won=r > 0)
+    return [Episode(task_id, "pick", TASK, 0, i, steps=[("obs", "act")], reward=r, won=r > 0)
             for i, r in enumerate(rewards)]
 
 
@@ -41,7 +41,7 @@ def _batch(groups: list[list[Episode]], args) -> T.Batch:
 
 def test_write_skills_writes_one_skill_per_task_with_a_win_and_none_without():
     args = T.Args(algo="rsipo", group_size=4)
-    run = _run(args, engine=S.SimEngine())
+    run = _run(args, engine=SimEngine())
     b = _batch([_group([0, 10, 0, 0], "a"), _group([0, 0, 0, 0], "b")], args)
     T.write_skills(run, b)
     a, none = b.records
@@ -64,7 +64,7 @@ def test_generic_teacher_skill_gives_every_task_its_games_workflow_without_writi
 
 def _replayed(control: str, group_rewards: list[float], pool) -> tuple[T.TaskRecord, T.Batch]:
     args = T.Args(algo="rsipo", group_size=len(group_rewards), replay_m=2, replay_control=control, history_len=0)
-    run = _run(args, pool=pool, engine=S.SimEngine())
+    run = _run(args, pool=pool, engine=SimEngine())
     b = _batch([_group(group_rewards, "task0")], args)
     b.records[0].skill, b.records[0].source, b.records[0].replay_ok = SKILL, "won", True
     T.replay(run, b)
@@ -73,12 +73,12 @@ def _replayed(control: str, group_rewards: list[float], pool) -> tuple[T.TaskRec
 
 def test_replay_plays_m_episodes_with_the_skill_against_m_fresh_ones_without():
     # p 0 without a skill, 1 with a won-source skill: both replays win, both fresh controls lose
-    pool = S.SimPool({"task0": 0.0}, {"won": 1.0}, seed=0)
+    pool = SimPool({"task0": 0.0}, {"won": 1.0}, seed=0)
     rec, b = _replayed("fresh", [0, 10, 0, 0], pool)
     with_skill = [e for e in b.replay_eps if e.skill]
     assert len(b.replay_eps) == 4 and len(with_skill) == 2 and pool.env_steps == 4
-    assert all(S.SKILL_PREFIX in e.turns[0].prompt_text for e in with_skill)
-    assert all(S.SKILL_PREFIX not in e.turns[0].prompt_text for e in b.replay_eps if not e.skill)
+    assert all(SKILL_PREFIX in e.turns[0].prompt_text for e in with_skill)
+    assert all(SKILL_PREFIX not in e.turns[0].prompt_text for e in b.replay_eps if not e.skill)
     # Eq. (3): 1 − 0; Eq. (4) with the smoothed rates (2 + ½)/3 and ½/3
     assert rec.gain == 1.0 and rec.var == pytest.approx(2 * (2.5 / 3) * (0.5 / 3) / 2)
     assert rec.informative and rec.replay_ok
@@ -87,19 +87,19 @@ def test_replay_plays_m_episodes_with_the_skill_against_m_fresh_ones_without():
 @pytest.mark.parametrize("control, gain", [("split", 1.0 - 0.5), ("group", 1.0 - 0.25)])
 def test_replay_with_the_rollouts_as_control(control, gain):
     # the group's second half (split) or all of it (group) is the control: no fresh episode is played
-    pool = S.SimPool({"task0": 0.0}, {"won": 1.0}, seed=0)
+    pool = SimPool({"task0": 0.0}, {"won": 1.0}, seed=0)
     rec, b = _replayed(control, [0, 0, 10, 0], pool)
     assert len(b.replay_eps) == 2 and pool.env_steps == 2
     assert rec.gain == pytest.approx(gain)
 
 
 def test_a_replay_all_won_against_a_control_all_won_is_uninformative():
-    pool = S.SimPool({"task0": 1.0}, {"won": 0.0}, seed=0)
+    pool = SimPool({"task0": 1.0}, {"won": 0.0}, seed=0)
     rec, _ = _replayed("fresh", [10, 10], pool)
     assert rec.gain == 0.0 and not rec.informative and rec.replay_ok
 
 
-class ErrorPool(S.SimPool):
+class ErrorPool(SimPool):
     """A pool whose episodes that follow a skill end in an env error."""
 
     def step(self, actions):
