@@ -7,17 +7,19 @@
     torchrun --nproc_per_node 8 train.py --engine vllm --model Qwen/Qwen2.5-7B-Instruct ...   # recipes/README.md
 
 One RL step (`rl_step`) calls, in the order of METHOD.md §2:
-    rollout_and_advantages (Eq. 1) → write_skills (Eq. 2) → replay (Eq. 3-4) → share_records →
-    skill_metrics → skill_advantages (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → score (old / reference /
-    teacher log-probs) → update (Eq. 10-12) → sync_weights → step_row
+    rollout_and_advantages (Eq. 1) → write_skills (Eq. 2; or give_skills, --teacher_skill) → replay (Eq. 3-4) →
+    share_records → skill_advantages (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → score (old / reference /
+    teacher log-probs) → update (Eq. 10-12) → sync_weights → step_row (what the step logs)
 `--algo grpo` runs rollout, score, update; `opsd` adds skills and the teacher with λ ≡ 1; `rsipo` all of it.
 `rl_step` alone decides which sections run; the file follows it: the records, the step, its sections in call
-order, the update in its parts, then the warm start, the reference and `main`.
+order, the update in its parts, what a step logs, then the warm start, the reference and `main`.
 Every section is a function of the `Run` (what the whole run holds) and the step's `Batch`; a test can call
-each on its own. Per task, the sections fill one `TaskRecord`; the records are gathered once a step.
-`main` reads as the run's phases. The plumbing below them (set-up, resume, checkpoints, SIGTERM, the files
-written at the end) is harness/run.py; the flags and presets harness/config.py; SFT harness/sft.py; ranks and
-sharding infra/distributed.py; the tiny model and its warm start (and SmolLM2) harness/tiny.py.
+each on its own. Per task, the sections fill one `TaskRecord`; the records are gathered once a step. The sections
+compute and return; one place, `step_row` and the functions below it ("What a step logs"), builds the metrics row.
+`main` reads as the run's phases: step → evaluate → log → save. The plumbing below them (set-up, resume,
+checkpoints, SIGTERM behind `Preemption`, the files written at the end) is harness/run.py; the flags and presets
+harness/config.py; SFT harness/sft.py; ranks and sharding infra/distributed.py; the tiny model and its data (and
+SmolLM2) harness/tiny.py.
 
 Choices, all **[ours]** (METHOD.md §5 gives the reasons):
 1. On the HF engine each rank rolls out with an unsharded copy of the policy (the rollout weights, π_old),
@@ -59,9 +61,8 @@ import rsipo
 import shrinkage
 from harness import tiny
 from harness.config import Args, parse_args
-from harness.run import (Preempted, Preemption, Run, Timer, build_policy, compute_dtype, evaluate_and_print, finish,
-                         log_row, progress, restore, resume, save, save_policy, setup, snapshot, stop_preempted,
-                         teardown, watch_step)
+from harness.run import (Preemption, Run, Timer, build_policy, compute_dtype, evaluate_and_print, finish, log_row,
+                         progress, resume, save, save_policy, setup, teardown, watch_step)
 from harness.sft import load_sft_jsonl, sft
 from harness.calibration import calibrate
 from infra import distributed as D
@@ -91,7 +92,6 @@ class TaskRecord:
     shrunk: float = 0.0                   # ĝ_q, Eq. (8), of a replayed skill
     trust: float = 0.0                    # λ_q, Eq. (9); 0 = no teacher signal for the task's turns
     skill_adv: Optional[float] = None     # A^skill_q, Eq. (5); None = no skill sample
-    facts: Optional[dict] = None          # [ours] what the skill gets right about its game (Run.skill_facts)
     posterior: Optional[dict] = None      # [ours] --calibrate: Eq. (9)'s λ under trust modes eb and raw
 
 
@@ -106,7 +106,7 @@ class Batch:
     skill_gens: list[Generation] = field(default_factory=list)   # the skill-writing responses, per task
     replay_eps: list[Episode] = field(default_factory=list)
     teacher_overflow: int = 0             # kept turns whose teacher prompt did not fit (no teacher signal)
-    metrics: dict = field(default_factory=dict)
+    anchored_frac: Optional[float] = None  # GiGPO: the share of turns in an anchor-state group of two or more
 
 
 @dataclass
@@ -120,51 +120,50 @@ class Sample:
     teacher: Optional[torch.Tensor] = None      # [r] ℓ^T: same tokens, skill in the prompt (§2.7)
     teacher_ids: Optional[torch.Tensor] = None  # [r, K] int32: the teacher's top-K tokens (--teacher_loss topk)
     teacher_dist: Optional[torch.Tensor] = None  # [r, K] their log-probs (topk), or [r, V] all of them (full)
+    teacher_prompt: Optional[list[int]] = None  # the teacher's prompt ids (§2.9), checked to hold its skill
     trust: float = 0.0                          # λ_q, Eq. (9); 0 wherever `teacher` is None (`score`)
     skill: bool = False                         # a skill-writing sample: weight η, no teacher
     turn: Optional[Turn] = None                 # the student turn it came from
+    sampled: Optional[list[float]] = None       # the sampler's log-probs, where comparable with π_old (free sampling)
 
 
 # ---- One RL step, section by section (METHOD.md §2) --------------------------------------------------------------
 
 def rl_step(run: Run, step: int) -> dict:
     """One step of the method; returns its row of metrics.jsonl. Which sections run is decided here, and only
-    here: grpo and gigpo roll out, score and update; opsd adds skills and a teacher that trusts every valid one
-    (λ ≡ 1); rsipo replays each skill, trusts it by its replay gain, trains the skill writer (Eq. 5) and banks
-    the validated skills. Between the sections before the update, a SIGTERM on any rank abandons the step
-    (`Preemption`)."""
+    here: grpo and gigpo roll out, score and update; opsd adds skills (its own, or with --teacher_skill the games'
+    given ones) and a teacher that trusts every valid one (λ ≡ 1); rsipo replays each skill, trusts it by its
+    replay gain, trains the skill writer (Eq. 5) and banks the validated skills. Between the sections before the
+    update, a SIGTERM on any rank abandons the step (`Preemption`). The sections compute; what the step logs is
+    built from their results at the end (`step_row`, "What a step logs")."""
     a = run.args
     timer = Timer()
     check = run.preempt.check
     rsipo_sections = a.algo == "rsipo"
+    recs, fit, calib = [], None, {}
     with timer("rollout"):
         b = rollout_and_advantages(run)
     check()
     if a.uses_skills:
         with timer("skills"):
-            write_skills(run, b)
+            (write_skills if a.teacher_skill == "own" else give_skills)(run, b)
         check()
         if rsipo_sections:
             with timer("replay"):
                 replay(run, b)
             check()
         recs = share_records(b)
-        skill_metrics(run, b, recs)
         if rsipo_sections:
             skill_advantages(run, recs)
-        trust(run, b, recs, replayed=rsipo_sections)
+        fit = trust(run, recs, replayed=rsipo_sections)
         if rsipo_sections:
             keep_skills(run, recs, step)
         if a.calibrate:
             with timer("calibrate"):
-                calibrate(run, b, step)
+                calib = calibrate(run, b, step)
     with timer("score"):
         samples, skill_samples = score(run, b)
-    reason = idle_reason(a, b, samples, skill_samples)
-    if reason:                            # [ours] a step that trains nothing says so, once, and is counted
-        print0(f"warning: step {step + 1} updates nothing: {reason}")
-        run.summary["update/idle_steps"] = run.summary.get("update/idle_steps", 0) + 1
-        b.metrics.update({"update/idle": 1, "update/idle_reason": reason})
+    seen = skill_in_teacher_prompts(run, b, [sm for sm in samples if sm.teacher is not None])
     check()                               # the last point to abandon: the update changes the weights
     with timer("update"):
         update_metrics = update(run.model, run.opt, samples + skill_samples, UpdateConfig.from_args(a),
@@ -173,24 +172,8 @@ def rl_step(run: Run, step: int) -> dict:
         sync_weights(run)
         follow_policy(run, step)
     step_time = {**timer.times, "time/step": time.time() - timer.t0}
-    return step_row(run, step, b, samples, skill_samples, {**update_metrics, **step_time})
-
-
-def idle_reason(a: Args, b: Batch, samples: list[Sample], skill_samples: list[Sample]) -> Optional[str]:
-    """Why no sample of the step, on any rank, carries a learning signal (a policy gradient, a trusted teacher
-    or a skill-writing advantage), or None when one does (a collective)."""
-    turns, invalid, pg, taught, skill = all_reduce([
-        len(b.turns), sum(tr.invalid for tr in b.turns), sum(s.adv != 0 for s in samples),
-        sum(s.trust > 0 for s in samples) if a.alpha > 0 else 0,
-        sum(s.adv != 0 for s in skill_samples) if a.eta else 0])
-    if pg or taught or skill:
-        return None
-    if not turns:
-        return "no turn was played"
-    why = ("the reward is off (--distill_only)" if a.distill_only else
-           "every turn was invalid (no parsable action), so every group is tied" if invalid == turns else
-           "every group is tied (all its turns scored alike), so every advantage is 0")
-    return why + ("; and no turn has a trusted teacher (λ = 0)" if a.uses_skills and a.alpha > 0 else "")
+    return step_row(run, step, b, samples, skill_samples, {**update_metrics, **step_time, **calib},
+                    skills=recs if a.uses_skills else None, fit=fit, seen=seen)
 
 
 def rollout_and_advantages(run: Run) -> Batch:
@@ -205,9 +188,9 @@ def rollout_and_advantages(run: Run) -> Batch:
     eps = run_episodes(run.engine, run.pool, tasks, N, history_len=a.history_len, temperature=a.temperature,
                        constrained=a.constrained, reserve=run.skill_reserve, stop=run.stop_now)   # group id = task k
     turns = policy_turns(eps)
-    adv, metrics = advantages(eps, turns, a)
+    adv, anchored = advantages(eps, turns, a)
     records = [TaskRecord(t[run.pool.task_key], group[0].task_type) for t, group in zip(tasks, by_task(eps, N))]
-    return Batch(tasks, eps, turns, adv, records, metrics=metrics)
+    return Batch(tasks, eps, turns, adv, records, anchored_frac=anchored)
 
 
 def policy_turns(eps: list[Episode]) -> list[Turn]:
@@ -215,29 +198,30 @@ def policy_turns(eps: list[Episode]) -> list[Turn]:
     return [tr for e in eps if e.error is None for tr in e.turns]
 
 
-def advantages(eps: list[Episode], turns: list[Turn], a: Args) -> tuple[list[float], dict]:
+def advantages(eps: list[Episode], turns: list[Turn], a: Args) -> tuple[list[float], Optional[float]]:
     """Eq. (1) over each task's turn-samples (`turns`, indexed into `eps` by episode id), with the format penalty of
     unparsable turns; `--adv_norm mean` leaves out the division by the std (verl-agent's mean_norm). GiGPO's step
     term (`--step_adv` ω): each step's γ-discounted return of the env rewards over every step of its episode (a
     step whose turn was dropped keeps its place), minus that turn's own format penalty, as verl-agent scores a
     step; normalised within anchor-state groups (the turns of a task's group that acted on the same observation).
-    `--distill_only`: every advantage 0. Returns one advantage per turn and the metrics."""
+    `--distill_only`: every advantage 0. Returns one advantage per turn, and with the step term the share of
+    turns in an anchor group of two or more (else None)."""
     std_norm = a.adv_norm == "mean_std"
     if not turns or a.distill_only:       # [ours] reward off: the teacher term alone trains (channel_check.py)
-        return [0.0] * len(turns), {}
+        return [0.0] * len(turns), None
     R = torch.tensor([eps[tr.episode_id].reward for tr in turns])             # [T] episode rewards
     invalid = torch.tensor([tr.invalid for tr in turns])                      # [T]
     gid = torch.tensor([tr.group_id for tr in turns])                         # [T]
     adv = rsipo.group_advantages(rsipo.turn_scores(R, invalid, a.p_fmt), gid, std_norm=std_norm)   # [T] Eq. (1)
-    metrics = {}
+    anchored = None
     if a.step_adv > 0:                    # GiGPO's step term
         score = step_scores(eps, turns, a.step_gamma, a.p_fmt)                # [T]
         anchors: dict = {}
         aid = torch.tensor([anchors.setdefault((tr.group_id, eps[tr.episode_id].steps[tr.step][0]), len(anchors))
                             for tr in turns])                                  # [T] anchor-state group ids
         adv = adv + a.step_adv * rsipo.step_advantages(score, aid, std_norm=std_norm).to(adv.dtype)
-        metrics["gigpo/anchored_frac"] = float((torch.bincount(aid)[aid] > 1).float().mean())
-    return adv.tolist(), metrics
+        anchored = float((torch.bincount(aid)[aid] > 1).float().mean())
+    return adv.tolist(), anchored
 
 
 def step_scores(eps: list[Episode], turns: list[Turn], gamma: float, p_fmt: float) -> torch.Tensor:
@@ -297,12 +281,6 @@ def write_skills(run: Run, b: Batch):
     fit writes no skill."""
     a = run.args
     b.skill_gens = [Generation("", [], [], [])] * len(b.records)
-    if a.teacher_skill != "own":          # [ours] the diagnostic: every teacher gets its game's type-level workflow
-        for rec in b.records:             # (generic), or the same with the wrong procedure (wrong)
-            rec.source = a.teacher_skill
-            rec.skill = run.given_skill(rec.task_id)
-            rec.replay_ok = rec.skill is not None
-        return
     chosen: list[Optional[Episode]] = []
     for rec, group in zip(b.records, by_task(b.eps, a.group_size)):
         candidates, _ = source_and_control(group, a.replay_control)
@@ -330,8 +308,17 @@ def write_skills(run: Run, b: Batch):
             rec.skill = None if rec.rule_failed else skill
     for rec in b.records:
         rec.replay_ok = rec.skill is not None
-        if rec.skill and run.skill_facts is not None:
-            rec.facts = run.skill_facts(rec.skill, rec.task_id)
+
+
+def give_skills(run: Run, b: Batch):
+    """[ours] The teacher channel's diagnostic in place of Eq. (2) (--teacher_skill generic | wrong): every task's
+    teacher is given its game's type-level workflow, or the same sentence with the wrong procedure; nothing is
+    written, so there is no skill-writing sample."""
+    b.skill_gens = [Generation("", [], [], [])] * len(b.records)
+    for rec in b.records:
+        rec.source = run.args.teacher_skill
+        rec.skill = run.given_skill(rec.task_id)
+        rec.replay_ok = rec.skill is not None
 
 
 def replay(run: Run, b: Batch):
@@ -392,39 +379,15 @@ def skill_advantages(run: Run, recs: list[TaskRecord]):
         r.skill_adv = adv
 
 
-def skill_metrics(run: Run, b: Batch, recs: list[TaskRecord]):
-    """The skills of the step, all ranks: how many tasks wrote one, how many are valid, their rewards (Eq. 5's
-    g̃), what they name, also by the outcome of the episode each was written from (won / lost)."""
-    a = run.args
-    m = b.metrics
-    written = [r for r in recs if r.source is not None]
-    rewards = [skill_reward(r, a.r_bad) for r in written]
-    facts = [r.facts for r in recs if r.facts]
-    for key in ("object", "target", "place") if facts else ():
-        m[f"skill/names_{key}"] = float(np.mean([f[key] for f in facts]))
-    m["skill/written_frac"] = len(written) / max(1, len(recs))
-    if written:                           # a step where no task wrote a skill has no validity or reward to log
-        m.update({"skill/valid_frac": sum(r.skill is not None for r in written) / len(written),
-                  "skill/rule_failed": float(sum(r.rule_failed for r in written)),
-                  "skill/reward_mean": float(np.mean(rewards))})
-    words = [len(r.skill.split()) for r in b.records if r.skill]
-    if words:
-        m["skill/words"] = float(np.mean(words))
-    for source in ("won", "lost"):
-        mine = [g for r, g in zip(written, rewards) if r.source == source]
-        m[f"skill/{source}_sources"] = float(len(mine))
-        if mine:
-            m[f"skill/{source}_reward"] = float(np.mean(mine))
-
-
-def trust(run: Run, b: Batch, recs: list[TaskRecord], replayed: bool):
+def trust(run: Run, recs: list[TaskRecord], replayed: bool) -> Optional[dict]:
     """Eq. (6)-(9) (§2.6): the empirical-Bayes trust λ_q in each task's teacher and the shrunk gain ĝ_q, from
-    the replay gains of every rank's tasks; without a replay (opsd) λ ≡ 1 for every valid skill. The replay
-    gain and λ also by the outcome of the skill's source episode."""
+    the replay gains of every rank's tasks, set on the records; λ 0 where the replay carried no evidence. Without
+    a replay (opsd) λ ≡ 1 for every valid skill. Returns the EB fit's info (`shrinkage.teacher_trust`), or None
+    where nothing was replayed."""
     a = run.args
-    m = b.metrics
     ok = [i for i, r in enumerate(recs) if r.replay_ok]
     lam = np.zeros(len(recs))
+    info = None
     if not replayed:
         lam[ok] = 1.0                     # the SEED/SDAR family: fresh skills, λ ≡ 1, no replay
     elif ok:
@@ -440,22 +403,9 @@ def trust(run: Run, b: Batch, recs: list[TaskRecord], replayed: bool):
             both = {mode: shrinkage.teacher_trust(g, v, types, mode=mode)[0] for mode in ("eb", "raw")}
             for j, i in enumerate(ok):
                 recs[i].posterior = {mode: float(x[j]) for mode, x in both.items()}
-        m.update({"trust/shrink_mean": float(np.mean(info["shrink"])),
-                  "replay/shrunk_gain_mean": float(np.mean(info["mean"])),
-                  "replay/gain_mean": float(np.mean(g)),
-                  "replay/uninformative": float(sum(not recs[i].informative for i in ok))})
-        for t in sorted(set(types)):
-            m[f"replay/gain_{t}"] = float(np.mean([x for x, tx in zip(g, types) if tx == t]))
-        for source in ("won", "lost"):
-            mine = [i for i in ok if recs[i].source == source]
-            if mine:
-                m[f"replay/{source}_gain"] = float(np.mean([recs[i].gain for i in mine]))
-                m[f"trust/{source}_mean"] = float(np.mean(lam[mine]))
     for r, trusted in zip(recs, lam):
         r.trust = float(trusted)
-    m.update({"trust/mean": float(lam.mean()) if len(lam) else 0.0,
-              "trust/frac_teacher": float((lam > 0).mean()) if len(lam) else 0.0,
-              "replay/failed": float(sum(r.skill is not None for r in recs) - len(ok))})
+    return info
 
 
 def keep_skills(run: Run, recs: list[TaskRecord], step: int):
@@ -482,12 +432,14 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
             continue                      # [ours] no policy-gradient and no teacher signal
         if A == 0.0 and lam > 0 and a.opsd_keep < 1.0 and run.skill_rng.random() >= a.opsd_keep:
             continue                      # [ours] a teacher-only turn, subsampled (--opsd_keep)
-        samples.append(Sample(tr.prompt_ids, tr.response_ids, A, None, trust=lam, turn=tr))
+        samples.append(Sample(tr.prompt_ids, tr.response_ids, A, None, trust=lam, turn=tr,
+                              sampled=tr.sampler_logprobs if tr.free else None))
     # [ours] η = 0 turns skill-writing training off altogether (its KL and entropy too)
     skill_tasks = [k for k, r in enumerate(b.records)
                    if r.skill_adv is not None and b.skill_gens[k].token_ids and a.eta > 0]
-    skill_samples = [Sample(b.skill_gens[k].prompt_ids, b.skill_gens[k].token_ids, b.records[k].skill_adv, None,
-                            skill=True) for k in skill_tasks]
+    gens = [b.skill_gens[k] for k in skill_tasks]
+    skill_samples = [Sample(g.prompt_ids, g.token_ids, b.records[k].skill_adv, None, skill=True,
+                            sampled=g.logprobs if g.free else None) for g, k in zip(gens, skill_tasks)]
     # π_old, the weights that sampled: the rollout copy on the HF engine; with vLLM the FSDP2 policy itself,
     # whose weights vLLM holds (synced after the last update, and this step's update has not run)
     old_model = run.rollout_model if run.rollout_model is not None else run.model
@@ -499,10 +451,6 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
         for sm, r in zip(group, run.logprobs(run.ref, pairs, temperature=temp)
                          if a.c_kl > 0 and run.ref is not None else []):
             sm.ref = r
-    # the sampler's log-probs against π_old on the freely sampled tokens (top-p 1, unconstrained)
-    b.metrics.update(sampler_gap([(sm.old, sm.turn.sampler_logprobs) for sm in samples if sm.turn.free]
-                                 + [(sm.old, b.skill_gens[k].logprobs) for sm, k in zip(skill_samples, skill_tasks)
-                                    if b.skill_gens[k].free]))
     kept = [sm for sm in samples if sm.trust > 0]   # grpo and gigpo trust no teacher: every λ is 0
     teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
                           run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
@@ -515,12 +463,11 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
             kept[j].teacher, kept[j].teacher_ids, kept[j].teacher_dist = scored
         else:
             kept[j].teacher = scored      # ℓ^T = log π_T(y | teacher prompt)
+        kept[j].teacher_prompt = teach[j][0]
     for sm in samples:
         if sm.teacher is None:            # no teacher for this turn: λ = 0
             sm.trust = 0.0
     b.teacher_overflow = len(kept) - len(fit)
-    b.metrics.update(skill_in_teacher_prompts(run, b, [kept[j] for j in fit], [teach[j][0] for j in fit]))
-    b.metrics.update(teacher_gaps(run, [kept[j] for j in fit]))
     return samples, skill_samples
 
 
@@ -532,15 +479,16 @@ def sampled_at(a, skill: bool) -> float:
     return t if t > 0 else 1.0
 
 
-def skill_in_teacher_prompts(run: Run, b: Batch, scored: list[Sample], prompts: list[list[int]]) -> dict:
+def skill_in_teacher_prompts(run: Run, b: Batch, scored: list[Sample]) -> dict:
     """[ours] Proof that each teacher sees its skill: the skill's tokens (encoded alone, the tokenizer's unknown
-    token left out) that its teacher prompt holds beyond the student's prompt, all ranks. A teacher whose prompt
-    holds none of its skill stops the run: it would distil nothing, silently (a skill lost to truncation, or
-    written in words the tokenizer does not know). The run's first teacher prompt goes to teacher_prompt.txt."""
+    token left out) that its teacher prompt holds beyond the student's prompt. A teacher whose prompt holds none of
+    its skill stops the run: it would distil nothing, silently (a skill lost to truncation, or written in words the
+    tokenizer does not know). The run's first teacher prompt goes to teacher_prompt.txt. Returns the skill tokens
+    seen, those wanted and the prompts, summed over ranks (a collective)."""
     unk = run.tok.unk_token_id
     seen, total = 0, 0
-    for sm, ids in zip(scored, prompts):
-        skill = b.records[sm.turn.group_id].skill
+    for sm in scored:
+        ids, skill = sm.teacher_prompt, b.records[sm.turn.group_id].skill
         wanted = [t for t in run.tok.encode(skill, add_special_tokens=False) if t != unk]
         head = next((i for i, (x, y) in enumerate(zip(ids, sm.prompt_ids)) if x != y),
                     min(len(ids), len(sm.prompt_ids)))   # where the two prompts part
@@ -556,45 +504,7 @@ def skill_in_teacher_prompts(run: Run, b: Batch, scored: list[Sample], prompts: 
             write_text(path, f"skill ({found} of its {len(wanted)} known tokens in the prompt): {skill}\n\n"
                        f"the teacher's prompt, as the model reads it ({len(ids)} tokens; the student's has "
                        f"{len(sm.prompt_ids)}):\n{run.tok.decode(ids, skip_special_tokens=False)}\n")
-    t = all_reduce_named({"seen": seen, "total": total, "prompts": len(scored)})
-    return {"teacher/skill_tokens": t["seen"] / max(1, t["prompts"]),
-            "teacher/skill_token_share": t["seen"] / max(1, t["total"])} if t["prompts"] else {}
-
-
-def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
-    """[ours] How the teacher rates the student's own tokens before the update, d = ℓ^T − ℓ^old per token, all
-    ranks: its mean, the share of tokens the gate of Eq. (11) would open (d > 0: σ(β·d) > ½), the sampled
-    estimates of KL(π_old‖π_T) (k1: mean −d; k3: mean e^d − d − 1), the mean by the turn's index in its episode,
-    and over the turns whose action uses the tool of its task type's procedure (the sink for clean:
-    `Run.tool_action`, where the preset knows it) against the rest. Where the teacher carries a procedure the
-    student lacks, the tool turns' gap is the larger."""
-    sums: dict[str, float] = {}
-
-    def add(key, d):
-        sums[f"{key}/sum"] = sums.get(f"{key}/sum", 0.0) + float(d.sum())
-        sums[f"{key}/n"] = sums.get(f"{key}/n", 0.0) + d.numel()
-    for sm in scored:
-        d = (sm.teacher - sm.old).float()                                # [r]
-        action = run.pool.parse_action(sm.turn.response_text) or ""
-        kind = "tool" if run.tool_action is not None and run.tool_action(action, sm.turn.task_type) else "other"
-        add(f"gap_{kind}", d)
-        add("gap_mean", d)
-        add(f"gap_turn{min(sm.turn.step, 5)}", d)
-        add("gate_gt_half", (d > 0).float())
-        add("kl_k1", -d)
-        add("kl_k3", d.exp() - d - 1)
-    keys = [f"{k}/{x}" for k in ("gap_tool", "gap_other", "gap_mean", "gate_gt_half", "kl_k1", "kl_k3")
-            + tuple(f"gap_turn{t}" for t in range(6)) for x in ("sum", "n")]
-    tot = all_reduce_named({k: sums.get(k, 0.0) for k in keys})
-    out = {}
-    for key in dict.fromkeys(k.rsplit("/", 1)[0] for k in keys):
-        if tot[f"{key}/n"]:
-            name = key if key != "gap_turn5" else "gap_turn5plus"
-            out[f"teacher/{name}"] = float(tot[f"{key}/sum"] / tot[f"{key}/n"])
-    for kind in ("tool", "other"):
-        if tot[f"gap_{kind}/n"]:
-            out[f"teacher/tokens_{kind}"] = int(tot[f"gap_{kind}/n"])
-    return out
+    return all_reduce_named({"seen": seen, "total": total, "prompts": len(scored)})
 
 
 # ---- The update, Eq. (10)-(12) -----------------------------------------------------------------------------------
@@ -841,9 +751,17 @@ def follow_policy(run: Run, step: int):
         D.ema_params(run.teacher, run.model, 0.0)
 
 
-def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples: list[Sample], extra: dict) -> dict:
-    """The step's row of metrics.jsonl (totals over ranks, one collective), and its last won and lost episode
-    (for the report)."""
+# ---- What a step logs --------------------------------------------------------------------------------------------
+
+def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples: list[Sample], extra: dict,
+             skills: Optional[list[TaskRecord]] = None, fit: Optional[dict] = None,
+             seen: Optional[dict] = None) -> dict:
+    """The step's row of metrics.jsonl, built from what its sections computed: the totals every step logs (over
+    ranks, one collective); GiGPO's anchors; the skills, their replay and trust (`skills`: every rank's records,
+    opsd/rsipo; `fit`: the EB fit); the sampler against the trainer (`rollout.sampler_gap`); the teacher's view
+    of the student's tokens and how much of its skill it sees (`seen`); a step that trains nothing (`idle_reason`,
+    said once on the console and counted in the summary); then `extra` (the update's metrics, the sections'
+    times). Also keeps the step's last won and lost episode (for the report)."""
     eps = b.eps + b.replay_eps
     t = all_reduce_named({
         "won": sum(e.won for e in b.eps), "episodes": sum(e.error is None for e in b.eps),
@@ -864,14 +782,136 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
             run.episodes[key] = {"task": e.task, "task_type": e.task_type, "skill": b.records[e.group_id].skill,
                                  "reward": e.reward, "won": e.won, "steps": [list(s) for s in e.steps],
                                  "step": step + 1}
-    return {"step": step + 1, "train/success": t["won"] / n, "train/reward": t["reward"] / n,
-            "train/invalid_frac": t["invalid"] / max(1, t["turns"]), "train/turns": int(t["turns"]),
-            "train/env_errors": int(t["env_errors"]), "train/turns_updated": int(t["turns_updated"]),
-            "rollout/gen_tokens": int(t["gen_tokens"]), "update/seq_tokens": int(t["seq_tokens"]),
-            "update/seq_tokens_sq": int(t["seq_tokens_sq"]), "update/response_tokens": int(t["response_tokens"]),
-            "train/env_steps": int(t["env_steps"]), "train/env_steps_total": run.env_steps,
-            "rollout/prompt_overflow": int(t["prompt_overflow"]), "teacher/prompt_overflow": int(t["teacher_overflow"]),
-            **b.metrics, **extra}
+    row = {"step": step + 1, "train/success": t["won"] / n, "train/reward": t["reward"] / n,
+           "train/invalid_frac": t["invalid"] / max(1, t["turns"]), "train/turns": int(t["turns"]),
+           "train/env_errors": int(t["env_errors"]), "train/turns_updated": int(t["turns_updated"]),
+           "rollout/gen_tokens": int(t["gen_tokens"]), "update/seq_tokens": int(t["seq_tokens"]),
+           "update/seq_tokens_sq": int(t["seq_tokens_sq"]), "update/response_tokens": int(t["response_tokens"]),
+           "train/env_steps": int(t["env_steps"]), "train/env_steps_total": run.env_steps,
+           "rollout/prompt_overflow": int(t["prompt_overflow"]), "teacher/prompt_overflow": int(t["teacher_overflow"])}
+    if b.anchored_frac is not None:
+        row["gigpo/anchored_frac"] = b.anchored_frac
+    if skills is not None:
+        row.update(skill_metrics(run, skills))
+        row.update(trust_metrics(skills, fit))
+    # the sampler's log-probs against π_old on the freely sampled tokens (top-p 1, unconstrained)
+    row.update(sampler_gap([(sm.old, sm.sampled) for sm in samples + skill_samples if sm.sampled is not None]))
+    if seen is not None and seen["prompts"]:
+        row.update({"teacher/skill_tokens": seen["seen"] / seen["prompts"],
+                    "teacher/skill_token_share": seen["seen"] / max(1, seen["total"])})
+    row.update(teacher_gaps(run, [sm for sm in samples if sm.teacher is not None]))
+    reason = idle_reason(run.args, b, samples, skill_samples)
+    if reason:                            # [ours] a step that trains nothing says so, once, and is counted
+        print0(f"warning: step {step + 1} updates nothing: {reason}")
+        run.summary["update/idle_steps"] = run.summary.get("update/idle_steps", 0) + 1
+        row.update({"update/idle": 1, "update/idle_reason": reason})
+    return {**row, **extra}
+
+
+def skill_metrics(run: Run, recs: list[TaskRecord]) -> dict:
+    """The skills of the step, all ranks: how many tasks wrote one, how many are valid, their rewards (Eq. 5's
+    g̃), their length, what the written ones name of their game (`Run.skill_facts`, where the preset knows the
+    games), also by the outcome of the episode each was written from (won / lost)."""
+    a, m = run.args, {}
+    written = [r for r in recs if r.source is not None]
+    rewards = [skill_reward(r, a.r_bad) for r in written]
+    facts = [f for r in recs if r.skill and r.source in ("won", "lost") and run.skill_facts is not None
+             for f in [run.skill_facts(r.skill, r.task_id)] if f]
+    for key in ("object", "target", "place") if facts else ():
+        m[f"skill/names_{key}"] = float(np.mean([f[key] for f in facts]))
+    m["skill/written_frac"] = len(written) / max(1, len(recs))
+    if written:                           # a step where no task wrote a skill has no validity or reward to log
+        m.update({"skill/valid_frac": sum(r.skill is not None for r in written) / len(written),
+                  "skill/rule_failed": float(sum(r.rule_failed for r in written)),
+                  "skill/reward_mean": float(np.mean(rewards))})
+    words = [len(r.skill.split()) for r in recs if r.skill]
+    if words:
+        m["skill/words"] = float(np.mean(words))
+    for source in ("won", "lost"):
+        mine = [g for r, g in zip(written, rewards) if r.source == source]
+        m[f"skill/{source}_sources"] = float(len(mine))
+        if mine:
+            m[f"skill/{source}_reward"] = float(np.mean(mine))
+    return m
+
+
+def trust_metrics(recs: list[TaskRecord], fit: Optional[dict]) -> dict:
+    """λ and the replay gains of the step, all ranks: trust's mean and the share of tasks with a teacher; with a
+    replay (`fit`, the EB fit) the shrinkage, the raw and shrunk gains, the uninformative replays, the gain per
+    task type, and the gain and λ by the outcome of the skill's source episode."""
+    ok = [r for r in recs if r.replay_ok]
+    lam = np.array([r.trust for r in recs])
+    m = {}
+    if fit is not None:
+        g, types = [r.gain for r in ok], [r.task_type for r in ok]
+        m.update({"trust/shrink_mean": float(np.mean(fit["shrink"])),
+                  "replay/shrunk_gain_mean": float(np.mean(fit["mean"])),
+                  "replay/gain_mean": float(np.mean(g)),
+                  "replay/uninformative": float(sum(not r.informative for r in ok))})
+        for t in sorted(set(types)):
+            m[f"replay/gain_{t}"] = float(np.mean([x for x, tx in zip(g, types) if tx == t]))
+        for source in ("won", "lost"):
+            mine = [r for r in ok if r.source == source]
+            if mine:
+                m[f"replay/{source}_gain"] = float(np.mean([r.gain for r in mine]))
+                m[f"trust/{source}_mean"] = float(np.mean([r.trust for r in mine]))
+    m.update({"trust/mean": float(lam.mean()) if len(lam) else 0.0,
+              "trust/frac_teacher": float((lam > 0).mean()) if len(lam) else 0.0,
+              "replay/failed": float(sum(r.skill is not None for r in recs) - len(ok))})
+    return m
+
+
+def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
+    """[ours] How the teacher rates the student's own tokens before the update, d = ℓ^T − ℓ^old per token, all
+    ranks: its mean, the share of tokens the gate of Eq. (11) would open (d > 0: σ(β·d) > ½), the sampled
+    estimates of KL(π_old‖π_T) (k1: mean −d; k3: mean e^d − d − 1), the mean by the turn's index in its episode,
+    and over the turns whose action uses the tool of its task type's procedure (the sink for clean:
+    `Run.tool_action`, where the preset knows it) against the rest. Where the teacher carries a procedure the
+    student lacks, the tool turns' gap is the larger."""
+    sums: dict[str, float] = {}
+
+    def add(key, d):
+        sums[f"{key}/sum"] = sums.get(f"{key}/sum", 0.0) + float(d.sum())
+        sums[f"{key}/n"] = sums.get(f"{key}/n", 0.0) + d.numel()
+    for sm in scored:
+        d = (sm.teacher - sm.old).float()                                # [r]
+        action = run.pool.parse_action(sm.turn.response_text) or ""
+        kind = "tool" if run.tool_action is not None and run.tool_action(action, sm.turn.task_type) else "other"
+        add(f"gap_{kind}", d)
+        add("gap_mean", d)
+        add(f"gap_turn{min(sm.turn.step, 5)}", d)
+        add("gate_gt_half", (d > 0).float())
+        add("kl_k1", -d)
+        add("kl_k3", d.exp() - d - 1)
+    keys = [f"{k}/{x}" for k in ("gap_tool", "gap_other", "gap_mean", "gate_gt_half", "kl_k1", "kl_k3")
+            + tuple(f"gap_turn{t}" for t in range(6)) for x in ("sum", "n")]
+    tot = all_reduce_named({k: sums.get(k, 0.0) for k in keys})
+    out = {}
+    for key in dict.fromkeys(k.rsplit("/", 1)[0] for k in keys):
+        if tot[f"{key}/n"]:
+            name = key if key != "gap_turn5" else "gap_turn5plus"
+            out[f"teacher/{name}"] = float(tot[f"{key}/sum"] / tot[f"{key}/n"])
+    for kind in ("tool", "other"):
+        if tot[f"gap_{kind}/n"]:
+            out[f"teacher/tokens_{kind}"] = int(tot[f"gap_{kind}/n"])
+    return out
+
+
+def idle_reason(a: Args, b: Batch, samples: list[Sample], skill_samples: list[Sample]) -> Optional[str]:
+    """Why no sample of the step, on any rank, carries a learning signal (a policy gradient, a trusted teacher
+    or a skill-writing advantage), or None when one does (a collective)."""
+    turns, invalid, pg, taught, skill = all_reduce([
+        len(b.turns), sum(tr.invalid for tr in b.turns), sum(s.adv != 0 for s in samples),
+        sum(s.trust > 0 for s in samples) if a.alpha > 0 else 0,
+        sum(s.adv != 0 for s in skill_samples) if a.eta else 0])
+    if pg or taught or skill:
+        return None
+    if not turns:
+        return "no turn was played"
+    why = ("the reward is off (--distill_only)" if a.distill_only else
+           "every turn was invalid (no parsable action), so every group is tied" if invalid == turns else
+           "every group is tied (all its turns scored alike), so every advantage is 0")
+    return why + ("; and no turn has a trusted teacher (λ = 0)" if a.uses_skills and a.alpha > 0 else "")
 
 
 # ---- The warm start and the reference; the run's phases ----------------------------------------------------------
@@ -974,35 +1014,25 @@ def teacher_copy(run: Run):
 
 
 def main(argv=None) -> dict:
-    """set up → policy → warm start or resume → RL steps (each logged; evaluated every --eval_every, saved every
-    --save_every, until --steps or the --max_env_steps budget) → final evaluation and files → teardown."""
+    """set up → policy → warm start or resume → RL steps (each: step → evaluate every --eval_every → log → save every
+    --save_every, until --steps or the --max_env_steps budget) → final evaluation and files → teardown. A SIGTERM
+    ends the run with a checkpoint at the next safe point (`Preemption`: its step, phase and stop_if_seen)."""
     run = None
     try:
         run = setup(parse_args(argv))
         a = run.args
-        run.preempt = Preemption()
+        guard = run.preempt = Preemption()
         build_policy(run)
-        try:
-            begin(run)
-        except Preempted:                 # the evaluation of the start, cut short: the warm start is saved
-            stop_preempted(run, run.start)
-        if run.preempt.requested():       # seen at the end of the start
-            stop_preempted(run, run.start)
+        guard.phase(run, lambda: begin(run), done=lambda: run.start)   # cut short in the start's evaluation
+        guard.stop_if_seen(run, run.start)
         done = run.start                  # RL steps done
         for step in tqdm(range(run.start, a.steps), desc="rl", disable=D.RANK != 0, initial=run.start, total=a.steps):
             if a.max_env_steps and run.env_steps >= a.max_env_steps:
                 break                     # resumed after the budget was spent: on to the final evaluation
-            snap = snapshot(run)
-            try:
-                row = rl_step(run, step)
-            except Preempted:
-                restore(run, snap)
-                stop_preempted(run, step)
+            row = guard.step(run, step, rl_step)
             if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
-                try:
-                    row.update(evaluate_and_print(run, "eval_every", f"at step {step + 1}")[0])
-                except Preempted:         # cut short: the step is done, and the check below saves it and stops
-                    pass
+                row.update(guard.phase(run, lambda: evaluate_and_print(run, "eval_every", f"at step {step + 1}")[0],
+                                       done=step + 1, cut_ok=True))   # cut short: the stop below saves the step
             log_row(run, row)
             watch_step(run, row)
             progress(f"step {step + 1:4d} | success {row['train/success']:.3f} | reward {row['train/reward']:.2f} | "
@@ -1012,15 +1042,11 @@ def main(argv=None) -> dict:
             if a.save_every and ((step + 1) % a.save_every == 0 or step + 1 == a.steps or out_of_budget):
                 save(run, step + 1)
             done = step + 1
-            if run.preempt.requested():
-                stop_preempted(run, done)
+            guard.stop_if_seen(run, done)
             if out_of_budget:
                 print0(f"env-step budget {a.max_env_steps} reached after step {step + 1}")
                 break
-        try:
-            finish(run)
-        except Preempted:                 # the final evaluation, cut short: the same command redoes it
-            stop_preempted(run, done)
+        guard.phase(run, lambda: finish(run), done=done)   # cut short in the final evaluation: redone on resume
     finally:
         if run is not None and run.preempt is not None:
             run.preempt.close()

@@ -11,12 +11,12 @@ from infra.distributed import all_gather_obj, all_reduce
 from rollout import by_task, run_episodes
 
 
-def calibrate(run, b, step: int):
+def calibrate(run, b, step: int) -> dict:
     """[ours] The trust check of METHOD.md §5.7: each scored skill is replayed afresh, `--calibrate` episodes
     with it and as many without (a fresh control), independent of the episodes its λ came from. One row
     per task in calibration.jsonl: λ as trained, Eq. (9)'s posterior under eb and raw trust, the replay
     gain it was computed from, and the fresh gain. These episodes train nothing and do not count
-    toward --max_env_steps (`calib/env_steps`)."""
+    toward --max_env_steps. Returns the check's env steps and tasks (`calib/env_steps`, `calib/tasks`)."""
     a, M = run.args, run.args.calibrate
     idx = [k for k, r in enumerate(b.records) if r.replay_ok and r.posterior]
     rows, n_steps = [], 0
@@ -39,5 +39,4 @@ def calibrate(run, b, step: int):
     if D.RANK == 0 and rows:
         with open(run.run_dir / "calibration.jsonl", "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    b.metrics["calib/env_steps"] = int(all_reduce([n_steps])[0])
-    b.metrics["calib/tasks"] = len(rows)
+    return {"calib/env_steps": int(all_reduce([n_steps])[0]), "calib/tasks": len(rows)}

@@ -146,6 +146,34 @@ class Preemption:
         if self.requested():
             raise Preempted()
 
+    def step(self, run: "Run", step: int, fn):
+        """`fn(run, step)`, one RL step: abandoned before its update (`Preempted`), it is undone (`snapshot`) and
+        the run stops with a checkpoint of the steps before it, which a resumed run redoes exactly."""
+        snap = snapshot(run)
+        try:
+            return fn(run, step)
+        except Preempted:
+            restore(run, snap)
+            stop_preempted(run, step)
+
+    def phase(self, run: "Run", fn, done, cut_ok: bool = False):
+        """`fn()`, a phase a SIGTERM cuts short (the start and its evaluation, an evaluation, the end): cut short, the
+        run stops with a checkpoint of the `done` steps (a number, or a function giving it once the phase is cut)
+        and the same command redoes the phase; `cut_ok`: its result is dropped ({}) and the run goes on to its next
+        `stop_if_seen`."""
+        try:
+            return fn()
+        except Preempted:
+            if cut_ok:
+                return {}
+            stop_preempted(run, done() if callable(done) else done)
+
+    def stop_if_seen(self, run: "Run", done: int):
+        """At the end of the start and of each step: stop with a checkpoint of the `done` steps when any rank has
+        seen SIGTERM (a collective)."""
+        if self.requested():
+            stop_preempted(run, done)
+
     def close(self):
         signal.signal(signal.SIGTERM, self.previous)
 

@@ -55,8 +55,13 @@ def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
                "--max_env_steps", str(a.env_steps), "--out_dir", a.out, "--run_name", name, *extra]
         print("running:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
-    s = json.loads(summary.read_text())
-    rows = [json.loads(l) for l in (Path(a.out) / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return load_run(Path(a.out) / name)
+
+
+def load_run(run_dir: Path) -> dict:
+    """A finished run's summary with its training curve, held-out curve and the means of its internals."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     s["curve"] = [(r["train/env_steps_total"], r["train/success"]) for r in rows if "train/env_steps_total" in r]
     s["eval_curve"] = eval_curve(s, rows)
     # the run's internals, means over its RL steps (those it logged: RSIPO's skills, replay and trust; GiGPO's anchors)
@@ -149,14 +154,23 @@ def main(argv=None):
     p.add_argument("--out", default="runs/compare")
     p.add_argument("--warm_start", default="auto",
                    help="'auto' (one shared warm start under <out>/warm_start), a model folder, or 'none' (each run its own)")
+    p.add_argument("--collect", default="", help="tabulate runs that exist instead of running any: a comma list of "
+                   "label=prefix, the runs of each seed S at <prefix><S> (e.g. grpo=runs/tb/grpo/grpo_s); the first is "
+                   "the base of the paired differences")
     a = p.parse_args(argv)
     algos, seeds = a.algos.split(","), [int(s) for s in a.seeds.split(",")]
-    flags = warm_start(a, extra) + extra
-    res = {algo: [run_one(algo, s, a, flags) for s in seeds] for algo in algos}
+    if a.collect:                         # runs made by several invocations (other flags each), side by side
+        arms = dict(x.split("=", 1) for x in a.collect.split(","))
+        res = {label: [load_run(Path(f"{prefix}{s}")) for s in seeds] for label, prefix in arms.items()}
+    else:
+        flags = warm_start(a, extra) + extra
+        res = {algo: [run_one(algo, s, a, flags) for s in seeds] for algo in algos}
 
-    lines = [f"Held-out success (%), mean ± std over seeds {seeds}, {a.env_steps} env steps per run "
-             f"(`python scripts/compare.py --algos {a.algos} --seeds {a.seeds} --env_steps {a.env_steps} --warm_start {a.warm_start}"
-             f"{' -- ' + ' '.join(extra) if extra else ''}`)", "",
+    cmd = (f"--collect {a.collect}" if a.collect else f"--algos {a.algos} --env_steps {a.env_steps} --warm_start "
+           f"{a.warm_start}" + (" -- " + " ".join(extra) if extra else ""))
+    lines = [f"Held-out success (%), mean ± std over seeds {seeds}"
+             + ("" if a.collect else f", {a.env_steps} env steps per run")
+             + f" (`python scripts/compare.py --seeds {a.seeds} {cmd}`)", "",
              "| algo | after warm start | after RL | gain (paired) | " + " | ".join(TYPES) + " | RL steps |",
              "|---" * (5 + len(TYPES)) + "|"]
     table = {}

@@ -36,7 +36,7 @@ from rollout import run_episodes  # noqa: E402
 
 def simulate(args, n_steps: int, p_of, effects: dict[str, float], seed: int = 0) -> tuple[list[dict], int]:
     """`n_steps` steps of B = args.tasks_per_step tasks through train.write_skills → replay → share_records →
-    skill_metrics → skill_advantages → trust, each task's p drawn by `p_of(rng)`. Returns one dict per task whose skill was replayed
+    skill_advantages → trust, each task's p drawn by `p_of(rng)`. Returns one dict per task whose skill was replayed
     (p, source, true effect: the change in win probability its skill makes, g, v, λ, informative), and the
     env steps spent (one per episode: rollouts, replays and fresh controls)."""
     rng = random.Random(seed)
@@ -54,9 +54,8 @@ def simulate(args, n_steps: int, p_of, effects: dict[str, float], seed: int = 0)
         T.write_skills(run, b)
         T.replay(run, b)
         recs = T.share_records(b)
-        T.skill_metrics(run, b, recs)
         T.skill_advantages(run, recs)
-        T.trust(run, b, recs, replayed=True)
+        T.trust(run, recs, replayed=True)
         for r in recs:
             if r.replay_ok:
                 base = p[r.task_id]

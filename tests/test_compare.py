@@ -99,3 +99,20 @@ def test_same_metrics_compares_every_value_but_time_and_memory(tmp_path):
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert SM.main([str(tmp_path / "a"), str(tmp_path / "a")]) == 0
     assert SM.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+
+
+def test_collect_tabulates_runs_made_apart_side_by_side(tmp_path):
+    # two configurations run by two invocations, in two folders: --collect pairs them by seed without running
+    for folder, algo, ends in (("base", "grpo", (0.2, 0.3)), ("off", "rsipo", (0.25, 0.45))):
+        for seed, end in enumerate(ends):
+            run = tmp_path / folder / f"{algo}_s{seed}"
+            run.mkdir(parents=True)
+            (run / "summary.json").write_text(json.dumps({"eval/success_at_start": 0.1, "eval/success": end}))
+            (run / "metrics.jsonl").write_text(json.dumps({"train/env_steps_total": 1000, "train/success": 0.1}))
+    out = tmp_path / "table"
+    C.main(["--seeds", "0,1", "--out", str(out), "--collect",
+            f"grpo={tmp_path}/base/grpo_s,rsipo_a0={tmp_path}/off/rsipo_s"])
+    md = (out / "compare.md").read_text()
+    # +5 and +15 → +10.0 ± 5.0 (2.0 s.e.)
+    assert "rsipo_a0 − grpo, held-out success after RL paired by seed (0, 1): +5.0, +15.0 → **+10.0 ± 5.0**" in md
+    assert "--collect grpo=" in md and not (tmp_path / "table" / "grpo_s0").exists()   # nothing was run

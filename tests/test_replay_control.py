@@ -127,13 +127,11 @@ def test_a_rule_failed_skill_scores_r_bad_and_a_task_without_a_skill_is_not_in_e
             T.TaskRecord("b", "clean", source="won", skill=None, rule_failed=True),
             T.TaskRecord("c", "clean", source="lost", skill="s c", gain=-0.5, replay_ok=True),
             T.TaskRecord("d", "clean", source=None)]                    # wrote no skill
-    b = T.Batch([], [], [], [], recs)
-    T.skill_metrics(run, b, recs)
+    m = T.skill_metrics(run, recs)
     T.skill_advantages(run, recs)
     # Eq. (5) over a, b, c only: rewards 0.5, -1, -0.5 against their mean -1/3
     assert [r.skill_adv for r in recs[:3]] == pytest.approx([0.5 + 1 / 3, -1 + 1 / 3, -0.5 + 1 / 3])
     assert recs[3].skill_adv is None
-    m = b.metrics
     assert m["skill/written_frac"] == 0.75 and m["skill/valid_frac"] == pytest.approx(2 / 3)
     assert m["skill/rule_failed"] == 1.0 and m["skill/won_sources"] == 2.0 and m["skill/lost_sources"] == 1.0
     assert m["skill/won_reward"] == pytest.approx(-0.25) and m["skill/lost_reward"] == pytest.approx(-0.5)
@@ -145,13 +143,13 @@ def test_trust_is_logged_by_source():
     recs = [T.TaskRecord("a", "clean", source="won", skill="s", gain=0.5, var=0.04, replay_ok=True),
             T.TaskRecord("b", "clean", source="won", skill="s", gain=0.0, var=0.04, replay_ok=True, informative=False),
             T.TaskRecord("c", "clean", source="lost", skill="s", gain=-0.2, var=0.04, replay_ok=True)]
-    b = T.Batch([], [], [], [], recs)
-    T.trust(run, b, recs, replayed=True)
+    fit = T.trust(run, recs, replayed=True)
     phi = lambda z: 0.5 * (1 + __import__("math").erf(z / 2 ** 0.5))   # noqa: E731
     assert [r.trust for r in recs] == pytest.approx([phi(2.5), 0.0, phi(-1.0)])   # raw: Φ(g/√v); uninformative: 0
-    assert b.metrics["replay/won_gain"] == pytest.approx(0.25) and b.metrics["replay/lost_gain"] == pytest.approx(-0.2)
-    assert b.metrics["trust/won_mean"] == pytest.approx(phi(2.5) / 2)
-    assert b.metrics["trust/lost_mean"] == pytest.approx(phi(-1.0))
+    m = T.trust_metrics(recs, fit)
+    assert m["replay/won_gain"] == pytest.approx(0.25) and m["replay/lost_gain"] == pytest.approx(-0.2)
+    assert m["trust/won_mean"] == pytest.approx(phi(2.5) / 2)
+    assert m["trust/lost_mean"] == pytest.approx(phi(-1.0))
 
 
 # ---- the skill rule's terms, read off every shipped game's task sentence --------------------------------------

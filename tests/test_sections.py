@@ -55,7 +55,7 @@ def test_generic_teacher_skill_gives_every_task_its_games_workflow_without_writi
     run = _run(args, engine=None)
     run.given_skill = lambda task_id: f"the workflow of {task_id}"
     b = _batch([_group([0, 0], "a"), _group([10, 0], "b")], args)
-    T.write_skills(run, b)                # an engine of None: nothing is generated
+    T.give_skills(run, b)                 # an engine of None: nothing is generated
     assert [(r.source, r.skill, r.replay_ok) for r in b.records] == \
         [("generic", "the workflow of a", True), ("generic", "the workflow of b", True)]
 
@@ -138,9 +138,7 @@ def test_skill_rewards_are_eq5_per_type_without_the_failed_replays():
 def test_skill_metrics_count_the_written_the_valid_and_their_rewards():
     args = T.Args(algo="rsipo", group_size=2)
     recs = _records(args) + [T.TaskRecord("f", "pick", source=None)]   # wrote no skill
-    b = T.Batch([], [], [], [], recs)
-    T.skill_metrics(_run(args), b, recs)
-    m = b.metrics
+    m = T.skill_metrics(_run(args), recs)
     assert m["skill/written_frac"] == pytest.approx(5 / 6) and m["skill/valid_frac"] == pytest.approx(4 / 5)
     # Eq. (5)'s g̃ of the five that wrote one: 0.6, 0.2, −1 (replay failed: no gain, r_bad here), −1, 0.5
     assert m["skill/reward_mean"] == pytest.approx((0.6 + 0.2 - 1 - 1 + 0.5) / 5)
@@ -155,7 +153,7 @@ def _trusted(replayed: bool, trust: str = "eb") -> list[T.TaskRecord]:
             T.TaskRecord("b", "pick", source="won", skill="s", gain=0.0, var=0.04, replay_ok=True, informative=False),
             T.TaskRecord("c", "pick", source="won", skill="s", gain=0.3, var=0.04, replay_ok=False),   # env error
             T.TaskRecord("d", "pick", source=None)]                                                    # no skill
-    T.trust(_run(args), T.Batch([], [], [], [], recs), recs, replayed=replayed)
+    T.trust(_run(args), recs, replayed=replayed)
     return recs
 
 
@@ -191,9 +189,9 @@ def test_the_bank_keeps_replayed_skills_whose_shrunk_gain_is_positive():
 @pytest.mark.parametrize("algo, sections", [
     ("grpo", ["rollout_and_advantages", "score", "update", "sync_weights", "step_row"]),
     ("gigpo", ["rollout_and_advantages", "score", "update", "sync_weights", "step_row"]),
-    ("opsd", ["rollout_and_advantages", "write_skills", "share_records", "skill_metrics", "trust(replayed=False)",
+    ("opsd", ["rollout_and_advantages", "write_skills", "share_records", "trust(replayed=False)",
               "score", "update(use_teacher=True)", "sync_weights", "step_row"]),
-    ("rsipo", ["rollout_and_advantages", "write_skills", "replay", "share_records", "skill_metrics", "skill_advantages",
+    ("rsipo", ["rollout_and_advantages", "write_skills", "replay", "share_records", "skill_advantages",
                "trust(replayed=True)", "keep_skills", "score", "update(use_teacher=True)", "sync_weights", "step_row"]),
 ])
 def test_rl_step_alone_decides_which_sections_run(monkeypatch, algo, sections):
@@ -205,11 +203,12 @@ def test_rl_step_alone_decides_which_sections_run(monkeypatch, algo, sections):
             called.append(f"{name}({flags})" if flags else name)
             return result
         return section
-    for name in ("write_skills", "replay", "skill_metrics", "skill_advantages", "trust", "keep_skills", "sync_weights"):
+    for name in ("write_skills", "give_skills", "replay", "skill_advantages", "trust", "keep_skills", "sync_weights"):
         monkeypatch.setattr(T, name, spy(name))
     monkeypatch.setattr(T, "rollout_and_advantages", spy("rollout_and_advantages", T.Batch([], [], [], [], [])))
     monkeypatch.setattr(T, "share_records", spy("share_records", []))
     monkeypatch.setattr(T, "score", spy("score", ([], [])))
+    monkeypatch.setattr(T, "skill_in_teacher_prompts", lambda *a: {})
     monkeypatch.setattr(T, "update", spy("update", {}))
     monkeypatch.setattr(T, "step_row", spy("step_row", {}))
     run = _run(T.Args(algo=algo, group_size=2))

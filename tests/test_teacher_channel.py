@@ -33,7 +33,7 @@ def test_generic_teacher_skill_is_the_games_type_level_workflow():
     run = Run(args, Path("."), torch.device("cpu"), None, [], None, skill_rng=random.Random(0),
               given_skill=tiny.generic_skill_of_game)
     b = T.Batch([{"gamefile": str(CLEAN)}], [], [], [], [T.TaskRecord(str(CLEAN), "clean")])
-    T.write_skills(run, b)   # no engine: nothing is generated
+    T.give_skills(run, b)    # no engine: nothing is generated
     rec = b.records[0]
     assert rec.skill == tiny.game_rule_skills(CLEAN.with_name("walkthrough.json"), with_place=False)[0]
     assert "sinkbasin" in rec.skill and rec.replay_ok and rec.source == "generic"
@@ -124,8 +124,8 @@ def test_score_asks_the_chosen_weights_for_the_teacher(tmp_path, weights):
                 for p in m.parameters():
                     p.add_(0.05 * (i + 1) * torch.randn_like(p))
         b = T.rollout_and_advantages(run)
-        T.write_skills(run, b)
-        T.trust(run, b, T.share_records(b), replayed=False)
+        T.give_skills(run, b)
+        T.trust(run, T.share_records(b), replayed=False)
         samples, _ = T.score(run, b)
         chosen = {"live": run.rollout_model, "frozen": run.ref}.get(weights, run.teacher)
         sm = next(s for s in samples if s.teacher is not None)
@@ -134,9 +134,10 @@ def test_score_asks_the_chosen_weights_for_the_teacher(tmp_path, weights):
         assert torch.allclose(sm.teacher, run.logprobs(chosen, [pair])[0], atol=1e-6)
         if weights != "live":
             assert not torch.allclose(sm.teacher, run.logprobs(run.rollout_model, [pair])[0], atol=1e-3)
+        seen = T.skill_in_teacher_prompts(run, b, [s for s in samples if s.teacher is not None])
+        assert seen["seen"] / seen["prompts"] > 10 and 0.9 <= seen["seen"] / seen["total"] <= 1.0
         text = (tmp_path / weights / "teacher_prompt.txt").read_text()
         assert b.records[0].skill.split(";")[0].split()[-1] in text and "Skill for this task" in text
-        assert b.metrics["teacher/skill_tokens"] > 10 and 0.9 <= b.metrics["teacher/skill_token_share"] <= 1.0
     finally:
         T.teardown(run)
 
@@ -148,18 +149,19 @@ def test_a_teacher_prompt_that_holds_none_of_its_skill_stops_the_run(tmp_path):
     prompt = tok.encode("Your task is to: clean a mug", add_special_tokens=False)
     turn = Turn(prompt, [1], [], False, "g", "clean", 0, 0, 0)
     b = T.Batch([], [], [], [], [T.TaskRecord("g", "clean", skill="go to the sinkbasin")])
-    sm = T.Sample(prompt, [1], 0.0, torch.zeros(1), turn=turn)
     line = tok.encode("Skill for this task: [go to the sinkbasin]", add_special_tokens=False)
-    seen = T.skill_in_teacher_prompts(run, b, [sm], [prompt[:5] + line + prompt[5:]])
-    assert seen == {"teacher/skill_tokens": 4, "teacher/skill_token_share": 1.0}
+    sm = T.Sample(prompt, [1], 0.0, torch.zeros(1), turn=turn, teacher_prompt=prompt[:5] + line + prompt[5:])
+    assert T.skill_in_teacher_prompts(run, b, [sm]) == {"seen": 4, "total": 4, "prompts": 1}
     assert "go to the sinkbasin" in (tmp_path / "teacher_prompt.txt").read_text()
     b.records[0].skill = "fetch zebras"                  # words the tokenizer does not know: all <unk>
+    sm.teacher_prompt = prompt[:5] + tok.encode("Skill for this task: [fetch zebras]", add_special_tokens=False) \
+        + prompt[5:]
     with pytest.raises(RuntimeError, match="holds none of its skill"):
-        T.skill_in_teacher_prompts(run, b, [sm], [prompt[:5] + tok.encode("Skill for this task: [fetch zebras]",
-                                                                          add_special_tokens=False) + prompt[5:]])
+        T.skill_in_teacher_prompts(run, b, [sm])
     b.records[0].skill = "go to the sinkbasin"           # a prompt the skill line never reached
+    sm.teacher_prompt = prompt
     with pytest.raises(RuntimeError, match="holds none of its skill"):
-        T.skill_in_teacher_prompts(run, b, [sm], [prompt])
+        T.skill_in_teacher_prompts(run, b, [sm])
 
 
 def test_teacher_support_gathers_the_students_log_probs_on_the_teachers_tokens():

@@ -175,7 +175,7 @@ def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
         b = T.Batch([{run.pool.task_key: x} for x in g], [], [], [], recs)
         real = calibration.run_episodes
         monkeypatch.setattr(calibration, "run_episodes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
-        calibration.calibrate(run, b, step=4)
+        calib = calibration.calibrate(run, b, step=4)
     finally:
         T.teardown(run)
     eps = seen[0]   # tasks 0 and 2 with their skill, 2 episodes each, then the same tasks without one
@@ -187,7 +187,7 @@ def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
     win = [e.reward / run.args.r_win for e in eps]
     for j, r in enumerate(rows):   # mean with the skill − mean of the fresh control, per task
         assert r["fresh_gain"] == pytest.approx((win[2 * j] + win[2 * j + 1]) / 2 - (win[4 + 2 * j] + win[5 + 2 * j]) / 2)
-    assert b.metrics["calib/tasks"] == 2 and b.metrics["calib/env_steps"] == sum(len(e.steps) for e in eps)
+    assert calib["calib/tasks"] == 2 and calib["calib/env_steps"] == sum(len(e.steps) for e in eps)
 
 
 def test_sigterm_before_the_update_abandons_the_step_and_the_resumed_run_redoes_it_exactly(tmp_path, monkeypatch):

@@ -90,12 +90,12 @@ def test_two_lost_episodes_from_one_start_get_no_step_advantage_for_the_others_i
            _episode(1, [0.0, 0.0], steps=[0, 1], invalid=(1,), obs=["start", "y"])]
     a = T.Args(step_adv=1.0, p_fmt=0.1)
     turns = T.policy_turns(eps)
-    adv, m = T.advantages(eps, turns, a)
+    adv, anchored = T.advantages(eps, turns, a)
     eq1 = rsipo.group_advantages(rsipo.turn_scores(torch.zeros(4), torch.tensor([0, 0, 0, 1]), 0.1),
                                  torch.zeros(4, dtype=torch.long))
     first = [i for i, tr in enumerate(turns) if tr.step == 0]
     assert [adv[i] for i in first] == pytest.approx([eq1[i].item() for i in first])   # the step term adds 0
-    assert m["gigpo/anchored_frac"] == pytest.approx(0.5)
+    assert anchored == pytest.approx(0.5)
 
 
 def test_env_error_episodes_leave_the_group_statistics():
