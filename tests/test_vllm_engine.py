@@ -297,7 +297,9 @@ def test_a_checkpoint_eos_id_reported_as_stop_reason_is_dropped(fake_vllm, tok):
                                                 "stop", other_eos))
     g = make(tok, top_p=1.0).generate(["x"], stop=False)[0]
     assert g.token_ids == [go] and g.text == "go" and g.free   # T 1, top-p 1: comparable with π_old
-    assert not make(tok, top_p=1.0).generate(["x"], temperature=0.7)[0].free
+    # at T 0.7 still comparable: the trainer scores the responses at their sampling temperature
+    assert make(tok, top_p=1.0).generate(["x"], temperature=0.7)[0].free
+    assert not make(tok, top_p=1.0).generate(["x"], temperature=0.0)[0].free   # greedy
     assert not make(tok, top_p=0.9).generate(["x"])[0].free
 
 
