@@ -20,7 +20,8 @@ Implemented (equation numbers are the ones in METHOD.md §2):
 * ``skill_advantages``   A^skill_q = g_q − mean{g_q' : c(q') = c(q)}                       (Eq. 5)
 * ``opsd_loss``          L_OPSD = TokenMean[λ_q · σ(β·sg(ℓ^T − ℓ)) · (ℓ^T − ℓ)]            (Eq. 11)
 * the teacher term's other estimators **[ours]** (METHOD.md §2.8.1), each multiplied by λ_q like Eq. (11):
-  ``signed_teacher_loss``  gradient λ·clip(ℓ − ℓ^T, ±c)·∇ℓ: on-policy distillation's advantage −(ℓ − ℓ^T) (Eq. 11b)
+  ``signed_teacher_loss``  gradient λ·clip(ℓ − ℓ^T, ±c)·∇ℓ: on-policy distillation's advantage
+                           −(ℓ − ℓ^T) (Eq. 11b)
   ``support_kl``           reverse KL(π_θ‖π_T) over the teacher's top-K tokens and one tail bucket (Eq. 11c),
                            or over the whole vocabulary (Eq. 11d)
   ``lowprob_loss``         the teacher-free control: advantage −1 on the tokens π_old gave less than τ (Eq. 11e)
@@ -258,9 +259,10 @@ def policy_loss(
     n_tokens: float | Tensor | None = None,
     clip_ratio_c: float | None = 3.0,
 ) -> tuple[Tensor, dict]:
-    """Eq. (10): L_PG = −TokenMean[min(ρA, clip(ρ, 1−ε, 1+ε)A)], ρ = exp(ℓ − ℓ_old), with verl's dual clip:
-    where A < 0 the token's surrogate is at least c·A (``clip_ratio_c`` c = 3, verl's default; None = off), so a
-    negative-advantage token whose ratio has grown past c adds −c·A to the loss and no gradient.
+    """Eq. (10): L_PG = −TokenMean[min(ρA, clip(ρ, 1−ε, 1+ε)A)], ρ = exp(ℓ − ℓ_old),
+    with verl's dual clip: where A < 0 the token's surrogate is at least c·A (``clip_ratio_c`` c = 3, verl's
+    default; None = off), so a negative-advantage token whose ratio has grown past c adds −c·A to the loss and
+    no gradient.
 
     logp, old_logp, mask: [B,L]; advantages: [B] (broadcast over tokens) or [B,L].
     Metrics: pg/loss, pg/clip_frac, pg/dual_clip_frac, pg/ratio_mean, pg/approx_kl, n_tokens.
@@ -412,12 +414,12 @@ def signed_teacher_loss(
     """Eq. (11b): the teacher as a per-token advantage A^T_t = −sg(clip(ℓ_t − ℓ^T_t, −c, c)), as in on-policy
     distillation: L = TokenMean[λ · sg(clip(ℓ − ℓ^T)) · (ℓ − ℓ^T)], ℓ^T detached.
 
-    ∂L/∂ℓ_t = λ·clip(ℓ_t − ℓ^T_t)/n: descent lowers a sampled token the student rates above the teacher and
-    raises one it rates below, in proportion to the gap. With the sample drawn from π_θ, E[(ℓ − ℓ^T)∇ℓ] is the
-    gradient of the per-token reverse KL(π_θ‖π_T): this is its single-sample estimate, where Eq. (11) only
-    ever raises. The value is λ·clip(d)·d ≥ 0 (a clipped squared gap), not a KL. logp (with grad),
-    teacher_logp, mask: [B,L]; trust λ: [B] or [B,L]. Metrics: opsd/loss, opsd/gap_mean (ℓ^T − ℓ),
-    opsd/clip_frac, opsd/trust_mean.
+    ∂L/∂ℓ_t = λ·clip(ℓ_t − ℓ^T_t)/n: descent lowers a sampled token the student rates above the
+    teacher and raises one it rates below, in proportion to the gap. With the sample drawn from π_θ,
+    E[(ℓ − ℓ^T)∇ℓ] is the gradient of the per-token reverse KL(π_θ‖π_T): this is its single-sample
+    estimate, where Eq. (11) only ever raises. The value is λ·clip(d)·d ≥ 0 (a clipped squared gap), not a
+    KL. logp (with grad), teacher_logp, mask: [B,L]; trust λ: [B] or [B,L]. Metrics: opsd/loss,
+    opsd/gap_mean (ℓ^T − ℓ), opsd/clip_frac, opsd/trust_mean.
     """
     lam = _per_token(trust.detach(), logp)  # [B,1] or [B,L]
     d = _masked(logp - teacher_logp.detach().clamp(min=LOGP_FLOOR), mask)  # [B,L]  ℓ − ℓ^T, 0 outside the mask
@@ -448,8 +450,9 @@ def support_kl(
     tail: bool = True,
     n_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict]:
-    """Eq. (11c)/(11d): the reverse KL from the teacher, KL(π_θ‖π_T) = Σ_v π_θ(v)·(log π_θ(v) − log π_T(v)),
-    over a support S of the teacher's choosing, trust-weighted: L = TokenMean[λ · KL_S].
+    """Eq. (11c)/(11d): the reverse KL from the teacher,
+    KL(π_θ‖π_T) = Σ_v π_θ(v)·(log π_θ(v) − log π_T(v)), over a support S of the teacher's choosing,
+    trust-weighted: L = TokenMean[λ · KL_S].
 
     student_logp, teacher_logp: [B,L,K] the log-probs of the same K tokens per position (the student's with
     grad, gathered from its full log-softmax; the teacher's detached). tail (top-K, Eq. 11c): the mass outside
