@@ -568,7 +568,9 @@ def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int 
         idx = [order[j] for j in groups[g]] if g < len(groups) else []
         chunk = [samples[i] for i in idx] or [([pad_id], [pad_id])]
         ids, attn, tgt, mask = collate(chunk, pad_id, device)
-        lp, _, logp_all = token_logprobs_of(model, ids, attn, tgt, with_all=True, temperature=temperature)
+        lp, _, *logp_all = token_logprobs_of(model, ids, attn, tgt, with_all=support != 0, temperature=temperature)
+        if support:                                                               # the [B, R, V] log-softmax
+            logp_all = logp_all[0]
         if support > 0:
             top, top_ids = logp_all.topk(support, dim=-1)                         # [B, R, K] each
         for b, i in enumerate(idx):

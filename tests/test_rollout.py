@@ -208,6 +208,24 @@ def test_score_tokens_keeps_no_graph():
     assert not any(o.requires_grad for o in out) and all(o.grad_fn is None for o in out)
 
 
+def test_score_tokens_support_gives_the_same_logprobs_and_the_teachers_top_k_or_whole_distribution():
+    # support 0 scores without the [B, R, V] log-softmax; K > 0 adds the K most likely ids and their log-probs, K < 0
+    # the whole log-softmax: the sampled tokens' log-probs are the same in all three, and the support is consistent
+    torch.manual_seed(0)
+    model = tiny_preset.tiny_model(50, T.Args(tiny_hidden=32))
+    pairs = [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])]
+    plain = R.score_tokens(model, pairs, pad_id=0, device="cpu", micro_batch=2, temperature=0.7)
+    top = R.score_tokens(model, pairs, pad_id=0, device="cpu", micro_batch=2, support=3, temperature=0.7)
+    full = R.score_tokens(model, pairs, pad_id=0, device="cpu", micro_batch=2, support=-1, temperature=0.7)
+    for (_, r), lp, (lp_k, ids, top_lp), (lp_f, none, all_lp) in zip(pairs, plain, top, full):
+        assert torch.allclose(lp, lp_k, atol=1e-6) and torch.allclose(lp, lp_f, atol=1e-6) and none is None
+        assert ids.shape == top_lp.shape == (len(r), 3) and all_lp.shape == (len(r), 50)
+        assert torch.allclose(all_lp.exp().sum(-1), torch.ones(len(r)), atol=1e-5)
+        assert torch.allclose(all_lp.gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1), lp, atol=1e-6)
+        assert torch.equal(all_lp.topk(3, dim=-1).indices.int(), ids)
+        assert torch.allclose(all_lp.topk(3, dim=-1).values, top_lp, atol=1e-6)
+
+
 def test_tokenizer_without_chat_template_or_pad_token(tmp_path):
     from transformers import PreTrainedTokenizerFast
     tok = tiny_preset.train_tiny_tokenizer(["go to desk 1 <|endoftext|>"], extra_specials=["<|endoftext|>"])
