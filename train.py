@@ -82,7 +82,7 @@ class TaskRecord:
     task_id: str
     task_type: str
     source: Optional[str] = None          # the outcome of the episode the skill was written from: "won" or "lost"
-                                          # ("generic", "wrong": --teacher_skill); None = no skill written
+                                          # (or the --teacher_skill given); None = no skill written
     skill: Optional[str] = None           # Eq. (2): the parsed skill; None when invalid or not written
     rule_failed: bool = False             # the last answer parsed but broke the skill rule (--skill_rule)
     gain: Optional[float] = None          # g_q, Eq. (3); None until a replay measures it
@@ -311,9 +311,10 @@ def write_skills(run: Run, b: Batch):
 
 
 def give_skills(run: Run, b: Batch):
-    """[ours] The teacher channel's diagnostic in place of Eq. (2) (--teacher_skill generic | wrong): every task's
-    teacher is given its game's type-level workflow, or the same sentence with the wrong procedure; nothing is
-    written, so there is no skill-writing sample."""
+    """[ours] The teacher channel's diagnostic in place of Eq. (2) (--teacher_skill generic | wrong | oracle |
+    wrong_place): every task's teacher is given its game's type-level workflow, the same sentence with the wrong
+    procedure, the workflow naming where the object lies, or that sentence naming another place; nothing is written,
+    so there is no skill-writing sample."""
     b.skill_gens = [Generation("", [], [], [])] * len(b.records)
     for rec in b.records:
         rec.source = run.args.teacher_skill

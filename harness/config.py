@@ -214,7 +214,8 @@ class Args:
                              "own (written by the policy, Eq. 2) | generic (the tiny preset's type-level workflow of "
                              "its game, privileged: the most the teacher term can carry; --algo opsd, ALFWorld) | "
                              "wrong (the same sentence with another type's tool and verb: the wrong procedure, its "
-                             "control; types with a tool only)")
+                             "control; types with a tool only) | oracle (the workflow naming where the object lies "
+                             "in its game) | wrong_place (the same sentence naming another receptacle: its control)")
     teacher_loss: str = arg("gated", "[ours] the teacher term's estimator (METHOD.md §2.8.1), λ times each: gated "
                             "(Eq. 11, the paper's) | signed (Eq. 11b: advantage −clip(ℓ − ℓ^T)) | topk (Eq. 11c: "
                             "reverse KL over the teacher's --teacher_topk tokens and a tail bucket) | full (Eq. 11d: "
@@ -373,7 +374,7 @@ RULES = [
 ]
 CHOICES = {"algo": ("grpo", "gigpo", "opsd", "rsipo"), "trust": ("eb", "raw", "one"), "env": ("alfworld", "search"),
            "replay_control": ("fresh", "split", "group"), "skill_groups": ("won", "all"),
-           "teacher_skill": ("own", "generic", "wrong"), "teacher_loss": TEACHER_LOSSES,
+           "teacher_skill": ("own", "generic", "wrong", "oracle", "wrong_place"), "teacher_loss": TEACHER_LOSSES,
            "teacher_weights": ("live", "frozen", "ema", "refresh"), "adv_norm": ("mean_std", "mean"),
            "dtype": ("auto", "float32", "bfloat16"), "engine": ("hf", "vllm"), "vllm_sleep_level": (1, 2),
            "sft_hold_out_mode": tiny.HOLD_OUT_MODES, "preset": ("heldout", "none")}

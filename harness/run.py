@@ -409,11 +409,12 @@ def check_disk(run: "Run"):
 
 
 def given_skills(args, data: EnvData) -> Optional[Callable]:
-    """[ours] --teacher_skill generic | wrong: task id → the skill its teacher is given (`tiny`), after a
-    check that every training task has one (a teacher without its skill would train on nothing, silently)."""
+    """[ours] --teacher_skill generic | wrong | oracle | wrong_place: task id → the skill its teacher is given
+    (`tiny`), after a check that every training task has one (a teacher without its skill would train on nothing,
+    silently)."""
     if args.env != "alfworld":
         return None
-    given = {"generic": tiny.generic_skill_of_game, "wrong": tiny.wrong_skill_of_game}
+    given = tiny.GIVEN_SKILLS
     if args.teacher_skill in given:
         missing = [t for t in data.train if given[args.teacher_skill](t) is None]
         if missing:
@@ -421,8 +422,8 @@ def given_skills(args, data: EnvData) -> Optional[Callable]:
             raise SystemExit(
                 f"error: --teacher_skill {args.teacher_skill}: no skill for {len(missing)} of the {len(data.train)} "
                 f"training tasks (types {', '.join(kinds)}; e.g. {missing[0]}). generic needs the walkthrough.json "
-                "that scripts/alfworld_gen.py writes beside each game; wrong swaps the tool of clean, heat and cool "
-                "and has none for the other types: add --task_types clean,heat,cool")
+                "that scripts/alfworld_gen.py writes beside each game (so do oracle and wrong_place); wrong swaps the "
+                "tool of clean, heat and cool and has none for the other types: add --task_types clean,heat,cool")
     return given.get(args.teacher_skill, tiny.generic_skill_of_game)
 
 

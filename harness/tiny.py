@@ -1,8 +1,9 @@
 """The tiny model and what it stands on **[ours]**: the tiny Qwen2 and its word-level tokenizer, its warm start's
 data (walkthroughs, skill annotations, held-out procedures), the games' truth that the diagnostics read (the
-type-level, wrong-procedure and oracle skills, the tools), and SmolLM2 and Qwen's tokenizer offline: what lets this
-project run and be tested on a 2-core CPU with no downloads. None of it is the paper's method; the paper's files
-(rsipo.py, shrinkage.py, skills.py, envs.py, rollout.py, train.py) do not depend on it except through `--model`.
+type-level, wrong-procedure, oracle and wrong-place skills, the tools), and SmolLM2 and Qwen's tokenizer offline:
+what lets this project run and be tested on a 2-core CPU with no downloads. None of it is the paper's method; the
+paper's files (rsipo.py, shrinkage.py, skills.py, envs.py, rollout.py, train.py) do not depend on it except
+through `--model`.
 (The named presets, the tables of flag values, live in harness/config.py.)
 
 The tiny preset (`--model tiny`, the default run):
@@ -43,6 +44,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import zlib
 from pathlib import Path
 
 import envs
@@ -269,6 +272,58 @@ def wrong_skill_of_game(gamefile: str) -> str | None:
     if wrong == right:
         raise ValueError(f"wrong_skill_of_game: no '{tool}/{verb}' step to swap in {right!r}")
     return wrong
+
+
+def oracle_skill_of_game(gamefile: str) -> str | None:
+    """[ours] The oracle skill of a game: its type-level workflow naming where the walkthrough took the object
+    (`game_rule_skills`; privileged: it comes from the game's files), or None where the game has no walkthrough.json
+    beside it (--teacher_skill oracle)."""
+    wt = Path(gamefile).with_name("walkthrough.json")
+    return game_rule_skills(wt)[0] if wt.exists() else None
+
+
+def _receptacles_looked_in(walkthrough: Path, obj: str) -> tuple[list[str], set[str]]:
+    """The room's receptacles (the first step's `go to` commands, in order) and those whose contents the walkthrough
+    saw without an `obj` among them (an arrive or open observation that says what is there)."""
+    steps = json.loads(walkthrough.read_text())["steps"]
+    room = [c[len("go to "):] for c in steps[0]["admissible"] if c.startswith("go to ")]
+    seen, holds = set(), set()
+    for s in steps[1:]:
+        m = re.match(r"You (?:arrive at|open the) (.+?)\. ", s["obs"])
+        if m and "you see" in s["obs"]:
+            (holds if re.search(rf"\b{re.escape(obj)} \d", s["obs"]) else seen).add(m.group(1))
+    return room, seen - holds
+
+
+def wrong_place_skill_of_game(gamefile: str) -> str | None:
+    """[ours] The wrong-place control of `oracle_skill_of_game`: the same sentence naming another receptacle of the
+    room as where the object was, so that it shares everything with the oracle skill but the place (--teacher_skill
+    wrong_place). The receptacle is one the walkthrough looked in and saw without the object, else one it did not
+    reach (another instance may lie there); not of the target's kind or the type's tool, which the sentence names
+    elsewhere, unless the room has no other; chosen by the game's folder name (crc32), so the same game always gets
+    the same one. None where the game has no walkthrough.json, its walkthrough took nothing, or the room has one
+    receptacle."""
+    wt = Path(gamefile).with_name("walkthrough.json")
+    if not wt.exists():
+        return None
+    g = game_truth(wt)
+    if not g["took"]:
+        return None
+    room, seen = _receptacles_looked_in(wt, g["object"])
+    kinds = {g["recep"], g["toggle"], TOOLS.get(g["type"], ("",))[0]}
+    other = [r for r in room if r != g["took"][0]]
+    allowed = [r for r in other if r.rsplit(" ", 1)[0] not in kinds]
+    pick = [r for r in allowed if r in seen] or allowed or other
+    if not pick:
+        return None
+    place = pick[zlib.crc32(wt.parent.name.encode()) % len(pick)]
+    return rule_skill(g["type"], g["object"], g["recep"], g["toggle"], True, [place])
+
+
+# [ours] --teacher_skill's given skills, game file → skill (None where the game has none): two skills and the control
+# of each that changes one fact (the procedure, the place)
+GIVEN_SKILLS = {"generic": generic_skill_of_game, "wrong": wrong_skill_of_game,
+                "oracle": oracle_skill_of_game, "wrong_place": wrong_place_skill_of_game}
 
 
 def tool_action(action: str, task_type: str) -> bool:

@@ -25,6 +25,11 @@ in_prompt_gain), and channel_right_minus_wrong.
     python scripts/channel_check.py --quick --out runs/channel_quick.json
     python scripts/channel_check.py --out runs/channel_clean/channel.json                       # every arm, 3 seeds
     python scripts/channel_check.py --setting testbed --out runs/channel_testbed/channel.json
+    python scripts/channel_check.py --setting testbed --skills place --arms topk_ema,topk_ema_wrong --out runs/cp.json
+
+--skills place **[ours]** gives the teachers the workflow naming where the object lies in each game
+(`--teacher_skill oracle`) and the control the same sentence naming another receptacle (`wrong_place`); the
+JSON's in-prompt figures are then those two skills'.
     python scripts/channel_check.py --arms topk_ema --env_steps 24000 --eval_every 4 --out runs/channel_24k/channel.json
 """
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from compare import eval_curve  # noqa: E402
+from compare import load_run  # noqa: E402
 
 LIVE, FROZEN, EMA, REFRESH = (["--teacher_weights", w] for w in ("live", "frozen", "ema", "refresh"))
 ARMS = {
@@ -59,8 +64,12 @@ BEST = "topk_ema"          # the self-improving arm the quick check and the wron
 WRONG = f"{BEST}_wrong"
 QUICK = [BEST, "gated_beta0"]
 # reward off, no KL, no entropy; λ ≡ 1 and every teacher turn kept (opsd_keep 1); α 1 for every estimator
-COMMON = ["--algo", "opsd", "--teacher_skill", "generic", "--distill_only", "true", "--c_kl", "0", "--c_ent", "0",
-          "--opsd_keep", "1", "--alpha", "1", "--sft_steps", "0"]
+COMMON = ["--algo", "opsd", "--distill_only", "true", "--c_kl", "0", "--c_ent", "0", "--opsd_keep", "1", "--alpha",
+          "1", "--sft_steps", "0"]
+# --skills: the teacher's skill and its control (train.py --teacher_skill; harness/tiny.GIVEN_SKILLS), which differ
+# in one fact: type, the type-level workflow against the wrong procedure; place [ours], the workflow naming where
+# the object lies in its game against the same sentence naming another receptacle of the room
+SKILLS = {"type": ("generic", "wrong"), "place": ("oracle", "wrong_place")}
 SETTINGS = {
     # the default run's clean games; the warm start holds the clean procedure out (RESULTS.md chain R2)
     "clean": {"train": ["--data_root", "data/alfworld_clean", "--constrained", "false"], "env_steps": 8000,
@@ -100,20 +109,27 @@ def warm_start(a) -> Path:
     return path
 
 
+def skill_flags(a, wrong: bool = False) -> list[str]:
+    """The teacher's skill (or its control) as train.py flags, for --skills."""
+    return ["--teacher_skill", SKILLS[a.skills][int(wrong)]]
+
+
 def in_prompt(a, ws: Path) -> dict:
     """The skills' worth in the prompt at the warm start: the held-out evaluation of train.py (its games, seed 0,
-    --eval_repeats at --eval_temperature, common random numbers) without a skill, with each game's type-level
-    skill and with its wrong-procedure skill; gains paired over games."""
+    --eval_repeats at --eval_temperature, common random numbers) without a skill, with each game's skill and with
+    its control (--skills: the wrong procedure or the wrong place); gains paired over games."""
     from harness import tiny
     from harness.config import parse_args
     from harness.run import build_policy, setup, teardown
     from rollout import evaluate, paired_gain
-    args = parse_args(["--model", str(ws), *COMMON, *SETTINGS[a.setting]["train"], "--seed", "0", "--out_dir",
+    args = parse_args(["--model", str(ws), *COMMON, *skill_flags(a), *SETTINGS[a.setting]["train"], "--seed", "0",
+                       "--out_dir",
                        a.runs, "--run_name", "in_prompt", "--resume", "false", *a.extra])
     run = setup(args)
     try:
         build_policy(run)
-        given = {"none": None, "right": tiny.generic_skill_of_game, "wrong": tiny.wrong_skill_of_game}
+        right, wrong = (tiny.GIVEN_SKILLS[k] for k in SKILLS[a.skills])
+        given = {"none": None, "right": right, "wrong": wrong}
         won = {}
         for name, skill_of in given.items():
             skills = {g: skill_of(g) for g in run.eval_games} if skill_of else None
@@ -127,16 +143,21 @@ def in_prompt(a, ws: Path) -> dict:
     for name, key in (("right", "in_prompt"), ("wrong", "in_prompt_wrong")):
         gain, se, n = paired_gain(won["none"], won[name])
         out.update({f"{key}_gain": gain, f"{key}_se": se})
-    out["in_prompt_games"] = n
+    out["in_prompt_games"], out["in_prompt_skills"] = n, dict(zip(("right", "wrong"), SKILLS[a.skills]))
     d, se, _ = paired_gain(won["wrong"], won["right"])
     out.update({"in_prompt_right_minus_wrong": d, "in_prompt_right_minus_wrong_se": se})
     return out
 
 
+def arm_flags(a, arm: str) -> list[str]:
+    """An arm's train.py flags on top of COMMON: its estimator and teacher weights, and the teacher's skill."""
+    return ARMS[arm] + skill_flags(a) if arm != WRONG else ARMS[BEST] + skill_flags(a, wrong=True)
+
+
 def run_arm(a, ws: Path, arm: str, seed: int) -> dict:
     """One (arm, seed): a train.py run in its own process (reused when its summary.json exists)."""
-    flags = ARMS[arm] if arm != WRONG else ARMS[BEST] + ["--teacher_skill", "wrong"]
-    name = f"{arm}_s{seed}"
+    flags = arm_flags(a, arm)
+    name = f"{arm}_s{seed}" if a.skills == "type" else f"{arm}_{a.skills}_s{seed}"
     summary = Path(a.runs) / name / "summary.json"
     cmd = [sys.executable, "train.py", "--model", str(ws), *COMMON, *SETTINGS[a.setting]["train"], *flags,
            "--seed", str(seed), "--steps", "1000", "--max_env_steps", str(a.env_steps), "--eval_every",
@@ -144,13 +165,10 @@ def run_arm(a, ws: Path, arm: str, seed: int) -> dict:
     if not summary.exists():
         print("running:", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
-    s = json.loads(summary.read_text())
-    rows = [json.loads(line) for line in (Path(a.runs) / name / "metrics.jsonl").read_text().splitlines() if line]
-    steps = [r for r in rows if "train/env_steps_total" in r]
+    s = load_run(summary.parent, keys=DIAGNOSTICS)
     return {"seed": seed, "start": s["eval/success_at_start"], "end": s["eval/success"], "gain": s["eval/gain"],
-            "gain_se": s["eval/gain_se"], "rl_steps": len(steps), "curve": eval_curve(s, rows),
-            "diagnostics": {k: statistics.fmean(v) for k in DIAGNOSTICS
-                            if (v := [r[k] for r in steps if isinstance(r.get(k), (int, float))])},
+            "gain_se": s["eval/gain_se"], "rl_steps": len(s["curve"]), "curve": s["eval_curve"],
+            "diagnostics": s["internals"],
             "command": " ".join(cmd[1:])}
 
 
@@ -160,6 +178,9 @@ def main(argv=None):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--setting", default="clean", choices=list(SETTINGS))
+    p.add_argument("--skills", default="type", choices=list(SKILLS), help="the teacher's skill and its control: "
+                   "type (the type-level workflow; the wrong procedure) | place [ours] (the workflow naming where "
+                   "the object lies; another receptacle)")
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, seeds 0 and 1, 3 episodes a "
                    "held-out game")
     p.add_argument("--arms", default="all", help=f"comma list of {', '.join([*ARMS, WRONG])}, or all")
@@ -180,10 +201,10 @@ def main(argv=None):
         raise SystemExit(f"error: --arms {','.join(unknown)}: unknown; the arms are {', '.join([*ARMS, WRONG])}")
     seeds = [0, 1] if a.quick else [int(s) for s in a.seeds.split(",")]
     ws = warm_start(a)
-    out = {"setting": a.setting, "warm_start": str(ws), "env_steps": a.env_steps, "seeds": seeds,
+    out = {"setting": a.setting, "skills": a.skills, "warm_start": str(ws), "env_steps": a.env_steps, "seeds": seeds,
            "common_flags": COMMON + SETTINGS[a.setting]["train"] + a.extra,
            "command": "python scripts/channel_check.py " + " ".join(sys.argv[1:] if argv is None else argv)}
-    prompt_file = Path(a.runs) / "in_prompt.json"
+    prompt_file = Path(a.runs) / ("in_prompt.json" if a.skills == "type" else f"in_prompt_{a.skills}.json")
     if not prompt_file.exists():
         Path(a.runs).mkdir(parents=True, exist_ok=True)
         prompt_file.write_text(json.dumps(in_prompt(a, ws), indent=1))
@@ -192,7 +213,7 @@ def main(argv=None):
     for arm in arms:
         runs = [run_arm(a, ws, arm, s) for s in seeds]
         gain, se = mean_se([r["gain"] for r in runs])
-        out["arms"][arm] = {"flags": ARMS.get(arm, ARMS[BEST] + ["--teacher_skill", "wrong"]), "gain": gain, "se": se,
+        out["arms"][arm] = {"flags": arm_flags(a, arm), "gain": gain, "se": se,
                             "transfer": gain / out["in_prompt_gain"] if out["in_prompt_gain"] else float("nan"),
                             "seeds": runs}
     if BEST in out["arms"] and WRONG in out["arms"]:

@@ -58,14 +58,15 @@ def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
     return load_run(Path(a.out) / name)
 
 
-def load_run(run_dir: Path) -> dict:
-    """A finished run's summary with its training curve, held-out curve and the means of its internals."""
+def load_run(run_dir: Path, keys=None) -> dict:
+    """A finished run's summary with its training curve, held-out curve and the means of its internals (`keys`,
+    default INTERNALS: each metric's mean over the RL steps that logged it)."""
     s = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     s["curve"] = [(r["train/env_steps_total"], r["train/success"]) for r in rows if "train/env_steps_total" in r]
     s["eval_curve"] = eval_curve(s, rows)
     # the run's internals, means over its RL steps (those it logged: RSIPO's skills, replay and trust; GiGPO's anchors)
-    s["internals"] = {k: statistics.mean(v) for k in INTERNALS
+    s["internals"] = {k: statistics.mean(v) for k in (INTERNALS if keys is None else keys)
                       if (v := [r[k] for r in rows if isinstance(r.get(k), (int, float))])}
     # and the trust check over the whole run (rsipo with --calibrate): Brier scores of eb and raw trust
     s["internals"].update({k: s[k] for k in ("calib/brier_eb", "calib/brier_raw", "calib/base_brier", "calib/tasks")

@@ -9,6 +9,8 @@ the comparisons are paired) with:
   other       the oracle skill of a held-out game of another task type (a wrong skill);
   wrong       the generic workflow with another type's tool and verb (`tiny.wrong_skill_of_game`: the same
               sentence, the wrong procedure; only when every probed game's type has a tool, e.g. --types clean);
+  wrong_place the oracle skill naming another receptacle of the room (`tiny.wrong_place_skill_of_game`: the
+              same sentence, the wrong place; one the walkthrough looked in and saw without the object);
   bank        a skill of the game's task type from a run's `skill_bank.json` (the policy's own, validated).
 and prints success per condition and per task type. With --bank it also checks each banked skill against
 its game's truth (traj_data.json and walkthrough.json): does it name the task's object, its target
@@ -300,6 +302,9 @@ def main(argv=None):
         conds["wrong"] = wrong
     else:
         print("a probed type has no tool to swap: the 'wrong' condition is left out (e.g. --types clean)")
+    wrong_place = {g: tiny.wrong_place_skill_of_game(g) for g in games}
+    if all(wrong_place.values()):
+        conds["wrong_place"] = wrong_place
     if other:
         conds["other"] = other
     else:
@@ -376,15 +381,19 @@ def main(argv=None):
     if "wrong" in results:                # what the procedure itself is worth: the right workflow against the wrong
         vs_none["generic_minus_wrong"] = dict(zip(("gain", "se", "games"),
                                                   rollout.paired_gain(games_won["wrong"], games_won["generic"])))
+    if "wrong_place" in results:          # what the place is worth: the oracle skill against the wrong place
+        vs_none["oracle_minus_wrong_place"] = dict(zip(("gain", "se", "games"), rollout.paired_gain(
+            games_won["wrong_place"], games_won["oracle"])))
     cols = ["all"] + sorted({k for r in results.values() for k in r} - {"all"})
     print(f"\nheld-out success (%), {len(games)} games x {a.repeats} episodes, T {a.temperature}, {a.model}")
     print(f"{'condition':10s}" + "".join(f"{c:>8s}" for c in cols))
     for name, r in results.items():
         print(f"{name:10s}" + "".join(f"{100 * r.get(c, float('nan')):8.1f}" for c in cols)
               + (f"   vs none {100 * vs_none[name]['gain']:+.1f} ± {100 * vs_none[name]['se']:.1f}" if name in vs_none else ""))
-    if "generic_minus_wrong" in vs_none:
-        d = vs_none["generic_minus_wrong"]
-        print(f"generic − wrong (paired over games): {100 * d['gain']:+.1f} ± {100 * d['se']:.1f}")
+    for k in ("generic_minus_wrong", "oracle_minus_wrong_place"):
+        if k in vs_none:
+            d = vs_none[k]
+            print(f"{k.replace('_minus_', ' − ')} (paired over games): {100 * d['gain']:+.1f} ± {100 * d['se']:.1f}")
     for name, g in gaps.items():
         print(f"\nteacher ({name} skill) - student on the 'none' turns: {g['mean_per_token']:+.4f} nat/token "
               f"(|gap| {g['mean_abs_per_token']:.4f}), {g['mean_per_turn']:+.3f} nat/turn, teacher higher on "

@@ -1,5 +1,6 @@
 """scripts/channel_check.py: every arm's train.py command parses to the options it names, and the check runs end to
 end from a tiny model folder (the in-prompt evaluation, a right and a wrong-procedure arm, the JSON)."""
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -16,14 +17,17 @@ from test_skill_probe import _tiny_model  # noqa: E402
 
 
 @pytest.mark.parametrize("setting", list(C.SETTINGS))
-def test_every_arm_is_a_valid_train_command_with_the_reward_off(setting):
+@pytest.mark.parametrize("skills,right,wrong", [("type", "generic", "wrong"), ("place", "oracle", "wrong_place")])
+def test_every_arm_is_a_valid_train_command_with_the_reward_off(setting, skills, right, wrong):
     for arm in [*C.ARMS, C.WRONG]:
-        flags = C.ARMS[arm] if arm != C.WRONG else C.ARMS[C.BEST] + ["--teacher_skill", "wrong"]
+        flags = C.arm_flags(argparse.Namespace(skills=skills), arm)
         a = parse_args(["--model", "tiny", *C.COMMON, *C.SETTINGS[setting]["train"], *flags])
         assert a.distill_only and a.algo == "opsd" and a.c_kl == 0 and a.c_ent == 0 and a.opsd_keep == 1, arm
         assert a.teacher_loss == flags[flags.index("--teacher_loss") + 1], arm
         assert a.teacher_weights == flags[flags.index("--teacher_weights") + 1], arm
-        assert a.teacher_skill == ("wrong" if arm == C.WRONG else "generic"), arm
+        assert a.teacher_skill == (wrong if arm == C.WRONG else right), arm
+        if arm == C.WRONG:
+            assert flags[:-2] == C.ARMS[C.BEST], arm   # the best arm's estimator and weights, the control's skill
     assert parse_args(["--model", "tiny", *C.COMMON, *C.ARMS["gated_beta0"]]).beta == 0
     assert C.BEST in C.ARMS and set(C.QUICK) <= set(C.ARMS)
 

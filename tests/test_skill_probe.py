@@ -49,12 +49,12 @@ def test_skill_probe_runs_every_condition(tmp_path):
     skill_probe.main(["--model", str(tmp_path / "m"), "--games", "6", "--repeats", "1", "--max_turns", "3",
                       "--workers", "1", "--bank", str(tmp_path / "bank.json"), "--out", str(out)])
     r = json.loads(out.read_text())
-    assert list(r["success"]) == ["none", "oracle", "generic", "other", "bank"]
+    assert list(r["success"]) == ["none", "oracle", "generic", "wrong_place", "other", "bank"]
     for cond in r["success"].values():   # 6 episodes: every rate is k/6; one game per task type (round-robin)
         assert abs(cond["all"] * 6 - round(cond["all"] * 6)) < 1e-9
         assert set(cond) == {"all", "pick", "look", "clean", "heat", "cool", "pick2"}
     # paired differences against none over the 6 games: each a multiple of 1/6, its s.e. finite
-    assert set(r["vs_none"]) == {"oracle", "generic", "other", "bank"}
+    assert set(r["vs_none"]) == {"oracle", "generic", "wrong_place", "other", "bank", "oracle_minus_wrong_place"}
     # stage 0's verdict: right and wrong-type gains as vs_none gives them, and go only past both bars
     p = r["premise"]
     assert p["right_minus_none"] == r["vs_none"]["generic"]["gain"] and p["wrong_minus_none"] == r["vs_none"]["other"]["gain"]
@@ -119,8 +119,11 @@ def test_skill_probe_on_one_task_type(tmp_path):
                       "--max_turns", "2", "--workers", "1", "--out", str(out)])
     r = json.loads(out.read_text())
     # no other type to draw a wrong-type skill from; heat has a tool, so the wrong-procedure skill is probed
-    assert list(r["success"]) == ["none", "oracle", "generic", "wrong"]
-    assert set(r["vs_none"]) == {"oracle", "generic", "wrong", "generic_minus_wrong"}
+    assert list(r["success"]) == ["none", "oracle", "generic", "wrong", "wrong_place"]
+    assert set(r["vs_none"]) == {"oracle", "generic", "wrong", "wrong_place", "generic_minus_wrong",
+                                 "oracle_minus_wrong_place"}
+    d = r["vs_none"]["oracle_minus_wrong_place"]   # paired over the same 2 games: a difference of the two gains
+    assert d["gain"] == pytest.approx(r["vs_none"]["oracle"]["gain"] - r["vs_none"]["wrong_place"]["gain"])
     assert all(set(c) == {"all", "heat"} for c in r["success"].values())
     assert r["written"]["won_episodes"] == round(r["success"]["none"]["all"] * 2)
     with pytest.raises(SystemExit) as e:

@@ -204,3 +204,26 @@ def test_the_wrong_procedure_skill_swaps_only_the_tool_and_verb():
     assert right.replace("sinkbasin and clean", "fridge and cool") == wrong
     pick = next(g for g in sorted((ROOT / "data/alfworld/json_2.1.1/train").glob("pick_and_place_simple*/*/game.tw-pddl")))
     assert tiny.wrong_skill_of_game(str(pick)) is None and tiny.generic_skill_of_game(str(pick))
+
+
+MEDIUM = ROOT / "data/alfworld_medium/json_2.1.1"
+
+
+def test_the_wrong_place_skill_names_another_receptacle_the_walkthrough_saw_without_the_object():
+    # its walkthrough: cabinet 1 (a dishsponge), cabinet 2 and 3 (nothing), then the soapbar taken from cabinet 4;
+    # the room also has countertop 1 (not reached), sinkbasin 1-2 (the tool) and toilet 1 (the target)
+    (game,) = [g for g in sorted(MEDIUM.glob("valid_unseen/*SoapBar-None-Toilet*/*/game.tw-pddl"))
+               if "take soapbar 1 from cabinet 4" in g.with_name("walkthrough.json").read_text()][:1]
+    oracle, wrong = tiny.oracle_skill_of_game(str(game)), tiny.wrong_place_skill_of_game(str(game))
+    assert oracle.startswith("the soapbar was at cabinet 4; otherwise go to each receptacle")
+    place = wrong[len("the soapbar was at "):].split(";")[0]
+    assert place in ("cabinet 1", "cabinet 2", "cabinet 3")               # looked in, no soapbar there
+    assert oracle.replace("cabinet 4;", f"{place};", 1) == wrong             # the one fact that differs
+    assert tiny.wrong_place_skill_of_game(str(game)) == wrong               # the same game, the same place
+    assert tiny.GIVEN_SKILLS["oracle"] is tiny.oracle_skill_of_game
+    assert tiny.oracle_skill_of_game(str(ROOT / "nowhere/game.tw-pddl")) is None
+    # every game of the shipped splits has both, so --teacher_skill oracle | wrong_place trains on every task
+    games = sorted(MEDIUM.glob("*/*/*/game.tw-pddl"))
+    places = [tiny.wrong_place_skill_of_game(str(g)) for g in games]
+    assert len(games) == 180 and all(places)
+    assert all(w != tiny.oracle_skill_of_game(str(g)) for g, w in zip(games, places))
