@@ -242,8 +242,9 @@ def test_skill_probe_with_a_bpe_model_without_pad_token_and_one_game(tiny_qwen, 
     skill_probe.main(["--model", str(tmp_path / "m"), "--games", "1", "--repeats", "1", "--max_turns", "2",
                       "--max_new_tokens", "16", "--workers", "1", "--out", str(out)])
     r = json.loads(out.read_text())
-    # the one game's type has a tool (so the wrong-procedure skill is probed); another type's game is in the split
-    assert list(r["success"]) == ["none", "oracle", "generic", "wrong", "other"]
+    # the one game's type has a tool (so the wrong-procedure skill is probed); another type's game is in the split;
+    # its room has another receptacle (so the wrong-place skill is probed)
+    assert list(r["success"]) == ["none", "oracle", "generic", "wrong", "wrong_place", "other"]
     assert r["args"]["constrained"] is False and r["args"]["history_len"] == T.Args().history_len
 
 
