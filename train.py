@@ -865,7 +865,8 @@ def trust_metrics(recs: list[TaskRecord], fit: Optional[dict]) -> dict:
 def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
     """[ours] How the teacher rates the student's own tokens before the update, d = ℓ^T − ℓ^old per token, all
     ranks: its mean, the share of tokens the gate of Eq. (11) would open (d > 0: σ(β·d) > ½), the sampled
-    estimates of KL(π_old‖π_T) (k1: mean −d; k3: mean e^d − d − 1), the mean by the turn's index in its episode,
+    estimates of KL(π_old‖π_T) (k1: mean −d; k3: mean e^d − d − 1), the mean by the turn's index in its
+    episode,
     and over the turns whose action uses the tool of its task type's procedure (the sink for clean:
     `Run.tool_action`, where the preset knows it) against the rest. Where the teacher carries a procedure the
     student lacks, the tool turns' gap is the larger."""
@@ -1015,9 +1016,10 @@ def teacher_copy(run: Run):
 
 
 def main(argv=None) -> dict:
-    """set up → policy → warm start or resume → RL steps (each: step → evaluate every --eval_every → log → save every
-    --save_every, until --steps or the --max_env_steps budget) → final evaluation and files → teardown. A SIGTERM
-    ends the run with a checkpoint at the next safe point (`Preemption`: its step, phase and stop_if_seen)."""
+    """set up → policy → warm start or resume → RL steps (each: step → evaluate every --eval_every → log →
+    save every --save_every, until --steps or the --max_env_steps budget) → final evaluation and files →
+    teardown. A SIGTERM ends the run with a checkpoint at the next safe point (`Preemption`: its step, phase
+    and stop_if_seen)."""
     run = None
     try:
         run = setup(parse_args(argv))

@@ -216,8 +216,9 @@ class Args:
                              "wrong (the same sentence with another type's tool and verb: the wrong procedure, its "
                              "control; types with a tool only) | oracle (the workflow naming where the object lies "
                              "in its game) | wrong_place (the same sentence naming another receptacle: its control)")
-    teacher_loss: str = arg("gated", "[ours] the teacher term's estimator (METHOD.md §2.8.1), λ times each: gated "
-                            "(Eq. 11, the paper's) | signed (Eq. 11b: advantage −clip(ℓ − ℓ^T)) | topk (Eq. 11c: "
+    teacher_loss: str = arg("gated", "[ours] the teacher term's estimator (METHOD.md §2.8.1), λ times each: "
+                            "gated (Eq. 11, the paper's) | signed (Eq. 11b: advantage −clip(ℓ − ℓ^T)) | "
+                            "topk (Eq. 11c: "
                             "reverse KL over the teacher's --teacher_topk tokens and a tail bucket) | full (Eq. 11d: "
                             "over the whole vocabulary, at most 4,096 tokens) | negative (Eq. 11e: the teacher-free "
                             "control, advantage −1 on tokens π_old gave less than --teacher_low)")

@@ -49,7 +49,8 @@ class Run:
     engine: Any = None                    # HFEngine over the rollout copy, or VLLMEngine
     rollout_model: Any = None             # [ours] the unsharded rollout weights (π_old) of the HF engine
     opt: Any = None
-    ref: Any = None                       # the frozen reference π_ref (the warm start): the KL term, the frozen teacher
+    ref: Any = None                       # the frozen reference π_ref (the warm start): the KL term, the frozen
+                                          # teacher
     teacher: Any = None                   # [ours] --teacher_weights ema | refresh: the teacher's own weights (fp32)
     model_path: str = ""
     task_rng: random.Random = None
@@ -67,8 +68,8 @@ class Run:
     preempt: Any = None                   # Preemption: SIGTERM → a checkpoint and exit 143
     skill_facts: Optional[Callable] = None   # [ours] (skill, task id) → what the skill gets right about its game,
                                              # or None; filled by a preset that knows the games (the tiny one)
-    given_skill: Optional[Callable] = None   # [ours] task id → the skill its teacher is given (--teacher_skill generic:
-                                             # its type-level workflow; wrong: the same with another type's tool)
+    given_skill: Optional[Callable] = None   # [ours] task id → the skill its teacher is given (--teacher_skill:
+                                             # tiny.GIVEN_SKILLS, e.g. generic, its type-level workflow)
     tool_action: Optional[Callable] = None    # [ours] (action, task type) → whether it uses the type's tool
 
     def stop_now(self) -> bool:           # this rank has seen SIGTERM: cut the current rollout or evaluation short

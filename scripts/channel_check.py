@@ -26,11 +26,11 @@ in_prompt_gain), and channel_right_minus_wrong.
     python scripts/channel_check.py --out runs/channel_clean/channel.json                       # every arm, 3 seeds
     python scripts/channel_check.py --setting testbed --out runs/channel_testbed/channel.json
     python scripts/channel_check.py --setting testbed --skills place --arms topk_ema,topk_ema_wrong --out runs/cp.json
+    python scripts/channel_check.py --arms topk_ema --env_steps 24000 --eval_every 4 --out runs/channel_24k/channel.json
 
 --skills place **[ours]** gives the teachers the workflow naming where the object lies in each game
 (`--teacher_skill oracle`) and the control the same sentence naming another receptacle (`wrong_place`); the
 JSON's in-prompt figures are then those two skills'.
-    python scripts/channel_check.py --arms topk_ema --env_steps 24000 --eval_every 4 --out runs/channel_24k/channel.json
 """
 from __future__ import annotations
 
@@ -123,8 +123,7 @@ def in_prompt(a, ws: Path) -> dict:
     from harness.run import build_policy, setup, teardown
     from rollout import evaluate, paired_gain
     args = parse_args(["--model", str(ws), *COMMON, *skill_flags(a), *SETTINGS[a.setting]["train"], "--seed", "0",
-                       "--out_dir",
-                       a.runs, "--run_name", "in_prompt", "--resume", "false", *a.extra])
+                       "--out_dir", a.runs, "--run_name", "in_prompt", "--resume", "false", *a.extra])
     run = setup(args)
     try:
         build_policy(run)
