@@ -272,10 +272,6 @@ def main(argv=None):
             setattr(a, k, defaults[k])
     if a.temperature is None:
         a.temperature = 1.0 if a.own else 0.4
-    from transformers import AutoModelForCausalLM
-    tok = rollout.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    engine = HFEngine(model, tok, max_new_tokens=a.max_new_tokens)
 
     split = list_games(a.data_root, a.split)
     types = {g: game_task_type(g) for g in split}
@@ -287,15 +283,18 @@ def main(argv=None):
                              f"(it has {', '.join(sorted(set(types.values())))})")
     split = rollout.round_robin_by_type(split, types)   # the order of train.py's --eval_games evaluation
     games = split[:a.games] if a.games else split
-    rule = lambda g, **kw: tiny.game_rule_skills(Path(g).with_name("walkthrough.json"), **kw)[0]   # noqa: E731
-    oracle = {g: rule(g) for g in games}
-    generic = {g: rule(g, with_place=False) for g in games}
+    no_truth = [g for g in split if tiny.oracle_skill_of_game(g) is None]
+    if no_truth:   # the oracle, generic and other skills are written from each game's walkthrough.json
+        raise SystemExit(f"error: {len(no_truth)} of the {len(split)} games in {a.data_root} {a.split} have no "
+                         f"walkthrough.json beside them (e.g. {no_truth[0]}): the probe's skills need it")
+    oracle = {g: tiny.oracle_skill_of_game(g) for g in games}
+    generic = {g: tiny.generic_skill_of_game(g) for g in games}
     rng = random.Random(a.seed)
     other = {}
     for g in games:   # the oracle skill of a game of another type, from the whole split (--games 1 has no other)
         pick = [h for h in split if types[h] != types[g]]
         if pick:
-            other[g] = rule(rng.choice(pick))
+            other[g] = tiny.oracle_skill_of_game(rng.choice(pick))
     conds = {"none": None, "oracle": oracle, "generic": generic}
     wrong = {g: tiny.wrong_skill_of_game(g) for g in games}
     if all(wrong.values()):
@@ -309,6 +308,10 @@ def main(argv=None):
         conds["other"] = other
     else:
         print(f"no game of another task type in {a.split}: the 'other' condition is left out")
+    from transformers import AutoModelForCausalLM
+    tok = rollout.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    engine = HFEngine(model, tok, max_new_tokens=a.max_new_tokens)
     facts = {}
     if a.bank:
         bank = json.loads(Path(a.bank).read_text())["skills"]

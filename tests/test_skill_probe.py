@@ -209,3 +209,17 @@ def test_premise_check_goes_only_past_both_bars():
                                  "other": {str(i): 0 for i in range(40)}})
     assert not small["go"] and small["right_minus_none"] == pytest.approx(0.025)
     assert skill_probe.premise({"none": none, "generic": none}) is None
+
+
+def test_skill_probe_refuses_games_without_a_walkthrough_before_loading_a_model(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import shutil
+    import skill_probe
+    dst = tmp_path / "data" / GAME.relative_to(DATA)
+    shutil.copytree(GAME, dst, ignore=shutil.ignore_patterns("walkthrough.json"))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")   # not a loadable model: the probe must stop before loading it
+    with pytest.raises(SystemExit) as e:
+        skill_probe.main(["--model", str(tmp_path / "m"), "--data_root", str(tmp_path / "data"), "--split",
+                          "valid_unseen", "--games", "1"])
+    assert "1 of the 1 games" in str(e.value) and "walkthrough.json" in str(e.value)
