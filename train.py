@@ -866,8 +866,7 @@ def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
     """[ours] How the teacher rates the student's own tokens before the update, d = ℓ^T − ℓ^old per token, all
     ranks: its mean, the share of tokens the gate of Eq. (11) would open (d > 0: σ(β·d) > ½), the sampled
     estimates of KL(π_old‖π_T) (k1: mean −d; k3: mean e^d − d − 1), the mean by the turn's index in its
-    episode,
-    and over the turns whose action uses the tool of its task type's procedure (the sink for clean:
+    episode, and over the turns whose action uses the tool of its task type's procedure (the sink for clean:
     `Run.tool_action`, where the preset knows it) against the rest. Where the teacher carries a procedure the
     student lacks, the tool turns' gap is the larger."""
     sums: dict[str, float] = {}

@@ -218,10 +218,10 @@ class Args:
                              "in its game) | wrong_place (the same sentence naming another receptacle: its control)")
     teacher_loss: str = arg("gated", "[ours] the teacher term's estimator (METHOD.md §2.8.1), λ times each: "
                             "gated (Eq. 11, the paper's) | signed (Eq. 11b: advantage −clip(ℓ − ℓ^T)) | "
-                            "topk (Eq. 11c: "
-                            "reverse KL over the teacher's --teacher_topk tokens and a tail bucket) | full (Eq. 11d: "
-                            "over the whole vocabulary, at most 4,096 tokens) | negative (Eq. 11e: the teacher-free "
-                            "control, advantage −1 on tokens π_old gave less than --teacher_low)")
+                            "topk (Eq. 11c: reverse KL over the teacher's --teacher_topk tokens and a tail bucket) | "
+                            "full (Eq. 11d: over the whole vocabulary, at most 4,096 tokens) | "
+                            "negative (Eq. 11e: the teacher-free control, advantage −1 on tokens π_old gave less "
+                            "than --teacher_low)")
     teacher_topk: int = arg(32, "[ours] K of --teacher_loss topk: the teacher's most likely tokens kept per position "
                             "(8 bytes each a response token: an int32 id and an fp32 log-prob)")
     teacher_clip: float = arg(2.0, "[ours] --teacher_loss signed: the per-token advantage is clipped to ± this (nats)")

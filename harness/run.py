@@ -49,8 +49,8 @@ class Run:
     engine: Any = None                    # HFEngine over the rollout copy, or VLLMEngine
     rollout_model: Any = None             # [ours] the unsharded rollout weights (π_old) of the HF engine
     opt: Any = None
-    ref: Any = None                       # the frozen reference π_ref (the warm start): the KL term, the frozen
-                                          # teacher
+    ref: Any = None                       # the frozen reference π_ref (the warm start): the KL term and the
+                                          # frozen teacher
     teacher: Any = None                   # [ours] --teacher_weights ema | refresh: the teacher's own weights (fp32)
     model_path: str = ""
     task_rng: random.Random = None
