@@ -240,10 +240,15 @@ def skill_facts(text: str, walkthrough: Path) -> dict[str, bool]:
             "wrong_tool": any(f" {v} " in t for k, v in tools.items() if k != g["type"] and v != target)}
 
 
+def walkthrough_of(gamefile: str | Path) -> Path:
+    """The walkthrough.json beside a game file (`scripts/alfworld_gen.py` writes it: the solution, step by step)."""
+    return Path(gamefile).with_name("walkthrough.json")
+
+
 def skill_facts_of_game(text: str, gamefile: str) -> dict[str, bool] | None:
     """`skill_facts` of a skill written for this game file, or None where the game has no walkthrough.json
     beside it: the hook the trainer's `Run.skill_facts` takes for ALFWorld (logged as skill/names_*)."""
-    wt = Path(gamefile).with_name("walkthrough.json")
+    wt = walkthrough_of(gamefile)
     return skill_facts(text, wt) if wt.exists() else None
 
 
@@ -251,7 +256,7 @@ def generic_skill_of_game(gamefile: str) -> str | None:
     """[ours] The type-level workflow of a game (`game_rule_skills` without the object's place: what every game of
     its type shares, plus its object and target), or None where the game has no walkthrough.json beside it: the
     teacher's skill under train.py --teacher_skill generic (privileged: it comes from the game's files)."""
-    wt = Path(gamefile).with_name("walkthrough.json")
+    wt = walkthrough_of(gamefile)
     return game_rule_skills(wt, with_place=False)[0] if wt.exists() else None
 
 
@@ -264,7 +269,7 @@ def wrong_skill_of_game(gamefile: str) -> str | None:
     and heat), so that it shares everything with the right skill but the procedure (--teacher_skill wrong). None
     where the game has no walkthrough.json or its type no tool (pick, look, pick2: no procedure to swap)."""
     right = generic_skill_of_game(gamefile)
-    kind = game_truth(Path(gamefile).with_name("walkthrough.json"))["type"] if right else None
+    kind = game_truth(walkthrough_of(gamefile))["type"] if right else None
     if kind not in TOOLS:
         return None
     (tool, verb), (wrong_tool, wrong_verb) = TOOLS[kind], TOOLS[WRONG_TOOL[kind]]
@@ -278,7 +283,7 @@ def oracle_skill_of_game(gamefile: str) -> str | None:
     """[ours] The oracle skill of a game: its type-level workflow naming where the walkthrough took the object
     (`game_rule_skills`; privileged: it comes from the game's files), or None where the game has no walkthrough.json
     beside it (--teacher_skill oracle)."""
-    wt = Path(gamefile).with_name("walkthrough.json")
+    wt = walkthrough_of(gamefile)
     return game_rule_skills(wt)[0] if wt.exists() else None
 
 
@@ -303,7 +308,7 @@ def wrong_place_skill_of_game(gamefile: str) -> str | None:
     elsewhere, unless the room has no other; chosen by the game's folder name (crc32), so the same game always gets
     the same one. None where the game has no walkthrough.json, its walkthrough took nothing, or the room has one
     receptacle."""
-    wt = Path(gamefile).with_name("walkthrough.json")
+    wt = walkthrough_of(gamefile)
     if not wt.exists():
         return None
     g = game_truth(wt)
@@ -388,7 +393,7 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
     pure = bool(hold_out) and hold_out_mode == "pure"
     out = []
     for g in gamefiles:
-        wt = Path(g) if Path(g).name == "walkthrough.json" else Path(g).with_name("walkthrough.json")
+        wt = Path(g) if Path(g).name == "walkthrough.json" else walkthrough_of(g)
         if not wt.exists():
             continue
         held = bool(hold_out) and game_truth(wt)["type"] == hold_out

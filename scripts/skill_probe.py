@@ -79,7 +79,7 @@ def score_bank(bank: dict) -> dict[str, dict[str, float]]:
     rows: dict[str, list[dict[str, bool]]] = {}
     for ttype, entries in bank.items():
         for e in entries:
-            wt = Path(e["task_id"]).with_name("walkthrough.json") if e.get("task_id") else None
+            wt = tiny.walkthrough_of(e["task_id"]) if e.get("task_id") else None
             if wt is not None and wt.exists():
                 rows.setdefault(ttype, []).append(tiny.skill_facts(e["text"], wt))
     out = {}
@@ -235,7 +235,7 @@ def premise(games_won: dict) -> dict | None:
 
 def _task_of(gamefile: str) -> str:
     """The task sentence of a game, from the first observation of its stored walkthrough."""
-    steps = json.loads(Path(gamefile).with_name("walkthrough.json").read_text())["steps"]
+    steps = json.loads(tiny.walkthrough_of(gamefile).read_text())["steps"]
     return envs.task_from_intro(steps[0]["obs"])
 
 
@@ -283,7 +283,7 @@ def main(argv=None):
                              f"(it has {', '.join(sorted(set(types.values())))})")
     split = rollout.round_robin_by_type(split, types)   # the order of train.py's --eval_games evaluation
     games = split[:a.games] if a.games else split
-    no_truth = [g for g in split if not Path(g).with_name("walkthrough.json").exists()]
+    no_truth = [g for g in split if not tiny.walkthrough_of(g).exists()]
     if no_truth:   # the oracle, generic and other skills are written from each game's walkthrough.json
         raise SystemExit(f"error: {len(no_truth)} of the {len(split)} games in {a.data_root} {a.split} have no "
                          f"walkthrough.json beside them (e.g. {no_truth[0]}): the probe's skills need it")
@@ -359,7 +359,7 @@ def main(argv=None):
                            max_new_tokens=config.TINY["skill_max_tokens"] if tiny.is_tiny(a.model)
                            else 256, stop=False) if won else []
     texts = [parse_skill(g.text) for g in gens]
-    fs = [tiny.skill_facts(t, Path(e.task_id).with_name("walkthrough.json")) for t, e in zip(texts, won) if t]
+    fs = [tiny.skill_facts(t, tiny.walkthrough_of(e.task_id)) for t, e in zip(texts, won) if t]
     written = {"won_episodes": len(won), "valid": sum(t is not None for t in texts),
                **{k: (sum(f[k] for f in fs) / len(fs) if fs else float("nan")) for k in ("object", "target", "tool", "place")},
                "examples": [t for t in texts if t][:3]}
