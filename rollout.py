@@ -36,7 +36,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -546,15 +546,24 @@ def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[i
     return engine.encode(insert_skill(turn.prompt_text, skill, task_line)), turn.response_ids
 
 
+class Support(NamedTuple):
+    """What scoring keeps of a distribution for Eq. (11c-d), per response token of one sample."""
+    ids: Optional[torch.Tensor]           # [r, S] int32 token ids (−1: an empty slot); None = the whole vocabulary
+    lp: torch.Tensor                      # [r, S] their log-probs, or [r, V] all of them
+    tail: Optional[torch.Tensor]          # [r] log of the mass outside `ids`, exact (rsipo.support_logprobs)
+
+
 @torch.no_grad()
-def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0, support: int = 0,
-                 temperature: float = 1.0) -> list:
+def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int = 0, temperature: float = 1.0,
+                 top: int = 0, support=None) -> list:
     """Per-sample log-probs of the response tokens under `model` (no grad), unpadded [len(r)].
     An FSDP2-sharded model (GPU: the policy under --engine vllm, the reference) runs the same number of
     forwards on every rank (one-token dummies), then reshards (the root stays gathered otherwise).
-    `support` K > 0: each sample gives (log-probs [r], the ids of the model's K most likely tokens at each
-    position [r, K] int32, their log-probs [r, K]); K < 0: (log-probs [r], None, the whole log-softmax [r, V]).
-    `temperature`: as in `token_logprobs_of` (the sampling temperature of the responses)."""
+    `temperature`: as in `token_logprobs_of` (the sampling temperature of the responses).
+    `top` K > 0: each sample gives (log-probs [r], the ids of the model's K most likely tokens [r, K] int32).
+    `support` (Eq. 11c-d): "vocab" gives (log-probs [r], Support(None, the whole log-softmax [r, V], None)); a
+    function (sample index, its log-softmax [r, V]) → ids [r, S] gives (log-probs [r], Support(ids, their log-probs,
+    the exact tail)). One sample's [r, V] copy at a time holds the tail's logsumexp."""
     from torch.distributed.fsdp import FSDPModule
     n_all = [len(p) + len(r) for p, r in samples]
     order = sorted(range(len(samples)), key=n_all.__getitem__) if micro_tokens else list(range(len(samples)))
@@ -568,18 +577,22 @@ def score_tokens(model, samples, pad_id, device, micro_batch, micro_tokens: int 
         idx = [order[j] for j in groups[g]] if g < len(groups) else []
         chunk = [samples[i] for i in idx] or [([pad_id], [pad_id])]
         ids, attn, tgt, mask = collate(chunk, pad_id, device)
-        lp, _, *logp_all = token_logprobs_of(model, ids, attn, tgt, with_all=support != 0, temperature=temperature)
-        if support:                                                               # the [B, R, V] log-softmax
-            logp_all = logp_all[0]
-        if support > 0:
-            top, top_ids = logp_all.topk(support, dim=-1)                         # [B, R, K] each
+        wide = bool(top) or support is not None
+        lp, _, *logp_all = token_logprobs_of(model, ids, attn, tgt, with_all=wide, temperature=temperature)
         for b, i in enumerate(idx):
             r = len(samples[i][1])
             out[i] = lp[b, :r].float().cpu()
-            if support > 0:
-                out[i] = (out[i], top_ids[b, :r].int().cpu(), top[b, :r].cpu())
-            elif support < 0:
-                out[i] = (out[i], None, logp_all[b, :r].cpu())
+            if not wide:
+                continue
+            row = logp_all[0][b, :r]                                              # [r, V]
+            if top:
+                out[i] = (out[i], row.topk(top, dim=-1).indices.int().cpu())
+            elif support == "vocab":
+                out[i] = (out[i], Support(None, row.cpu(), None))
+            else:
+                keep = support(i, row)                                            # [r, S]
+                kept, tail = rsipo.support_logprobs(row, keep.to(row.device))     # [r, S], [r]
+                out[i] = (out[i], Support(keep.int().cpu(), kept.cpu(), tail.cpu()))
     model.train(was_training)
     if sharded:
         model.reshard()

@@ -22,10 +22,14 @@ Implemented (equation numbers are the ones in METHOD.md §2):
 * the teacher term's other estimators **[ours]** (METHOD.md §2.8.1), each multiplied by λ_q like Eq. (11):
   ``signed_teacher_loss``  gradient λ·clip(ℓ − ℓ^T, ±c)·∇ℓ: on-policy distillation's advantage
                            −(ℓ − ℓ^T) (Eq. 11b)
-  ``support_kl``           reverse KL(π_θ‖π_T) over the teacher's top-K tokens and one tail bucket (Eq. 11c),
-                           or over the whole vocabulary (Eq. 11d)
+  ``support_kl``           reverse KL(π_θ‖π_T) over a top-K support and one tail bucket (Eq. 11c), or over
+                           the whole vocabulary (Eq. 11d)
   ``lowprob_loss``         the teacher-free control: advantage −1 on the tokens π_old gave less than τ (Eq. 11e)
-  ``teacher_loss``         one of the four by name (``TEACHER_LOSSES``), as ``rsipo_loss`` calls it
+* the support of Eq. (11c): ``support_ids`` (the student's, the teacher's or both sides' top-K), ``support_logprobs``
+  (the teacher's log-probs there and its exact tail, at scoring), ``teacher_inputs`` (the student's side, and
+  ``fill_rows``: a row without a teacher takes the student's own values)
+* ``TEACHER_ESTIMATORS`` the one table of what each estimator reads and what scoring keeps of the teacher's
+  distribution; ``teacher_loss`` computes one by name, and its result is ``rsipo_loss``'s ``teacher_term``
 * ``rsipo_loss``         L = L_PG + α·L_OPSD + η·L_skill + c_KL·KL_k3 − c_H·H              (Eq. 12)
 
 Deviations and choices not fixed by the paper
@@ -44,9 +48,9 @@ Deviations and choices not fixed by the paper
    input dict is not mutated; a new dict is returned.
 3. **[ours] Skill term of Eq. (12) as a second call.** Student-turn micro-batches and
    skill-writing micro-batches are separate in the trainer, so ``rsipo_loss`` handles one kind
-   of sample per call. Student turns: ``rsipo_loss(..., advantages=A (Eq. 1), teacher_logp=ℓ^T,
-   trust=λ, pg_weight=1)``. Skill writing: ``rsipo_loss(..., advantages=A^skill (Eq. 5),
-   teacher_logp=None, pg_weight=η)``; the PG term is then η·L_skill with its own token mean over
+   of sample per call. Student turns: ``rsipo_loss(..., advantages=A (Eq. 1), teacher_term=teacher_loss(...),
+   pg_weight=1)``. Skill writing: ``rsipo_loss(..., advantages=A^skill (Eq. 5), teacher_term=None,
+   pg_weight=η)``; the PG term is then η·L_skill with its own token mean over
    skill tokens (pass that kind's ``n_tokens``). The sum of the two calls is Eq. (12). Whether
    the KL and entropy terms also cover skill tokens is the caller's choice (pass ``ref_logp`` /
    ``entropy`` or ``None``).
@@ -60,25 +64,27 @@ Deviations and choices not fixed by the paper
 6. **Metrics.** ``*/loss`` entries are the value of the returned (possibly partial) term, so they
    add up across micro-batches; every other statistic is a mean over *this call's* masked tokens
    (``n_tokens`` in the metrics is that local count, for token-weighted aggregation).
-   ``pg/approx_kl`` is Schulman's k3 estimate of KL(π_old‖π_θ): (ρ − 1) − log ρ.
+   ``pg/approx_kl`` is Schulman's k3 estimate of KL(π_old‖π_θ): (ρ − 1) − log ρ (verl's ``ppo_kl`` is k1,
+   the mean of −log ρ).
    ``pg/clip_frac`` counts tokens where the clipped branch is the active one (its gradient is 0).
 7. **verl's clamps, by default.** Eq. (10) has verl's dual clip (``clip_ratio_c`` 3: a negative-advantage
-   token's surrogate is at least c·A), and ``kl_k3`` verl's ``low_var_kl`` clamps (log-ratio to ±20, each
-   token's k3 to at most 10). ``None`` turns either off and gives the textbook formula; both are tested
-   against hand-derived numbers.
+   token's surrogate is at least c·A) and its log-ratio bound (±20 before the exponential, always), and
+   ``kl_k3`` verl's ``low_var_kl`` clamps (log-ratio to ±20, each token's k3 to at most 10). ``None`` turns the
+   dual clip or the k3 clamps off and gives the textbook formula; all are tested against hand-derived numbers.
 8. **Masked before the exponential.** Log-ratios (ρ, the k3 KL, the teacher gap) are set to 0 at
    positions outside the mask *before* ``exp``: a padded position holds arbitrary numbers (the
    trainer fills ℓ_ref = 0 there), and exp(−ℓ) at ℓ < −88.7 is inf in fp32, which the mask's
    multiplication by 0 would turn into NaN.
 9. **[ours] Three token means, so that algorithms are compared on equal terms.** The trainer
-   passes, per mini-batch: for the PG term (``pg_n_tokens``) the tokens of the turns that carry a
+   passes, per mini-batch: for the PG term (``n_tokens``) the tokens of the turns that carry a
    policy gradient, i.e. under ``--drop_zero_adv`` the turns with A ≠ 0, exactly GRPO's sample set:
    teacher-only turns (A = 0, kept for the OPSD term) no longer dilute RSIPO's PG term (they halved
    the gradient of an A = +1 turn in a mini-batch of two). For KL and entropy (``reg_n_tokens``)
    every trained token of the mini-batch, turns and skill-writing responses alike, so a skill
    token is regularised exactly like an action token (as a separate mean over the few skill
-   tokens it weighed ~n_turn/n_skill times more, ~50x at the recipes' batch). For OPSD
-   (``n_tokens``) the student tokens. The skill PG term stays η times its own token mean.
+   tokens it weighed ~n_turn/n_skill times more, ~50x at the recipes' batch). For the teacher
+   term (``teacher_loss``'s ``n_tokens``) the student tokens, or only those of the turns with a
+   teacher (the trainer's ``--teacher_norm``). The skill PG term stays η times its own token mean.
 10. **GiGPO's step-level advantage** (``step_returns``, ``step_advantages``): within a task's
    group, turns that acted on the identical observation (an anchor state) form a step group;
    their step scores are normalised like Eq. (1) (unbiased std; a singleton or all-equal group gives
@@ -100,6 +106,8 @@ end-to-end optimisation with a ``torch.nn.Linear`` policy. CPU only, a few secon
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -118,9 +126,16 @@ __all__ = [
     "signed_teacher_loss",
     "support_kl",
     "lowprob_loss",
+    "support_ids",
+    "support_logprobs",
+    "fill_rows",
+    "teacher_inputs",
+    "Estimator",
+    "TeacherInputs",
+    "TEACHER_ESTIMATORS",
     "teacher_loss",
-    "TEACHER_LOSSES",
     "LOGP_FLOOR",
+    "RATIO_LOG_CLAMP",
     "rsipo_loss",
     "step_returns",
     "step_advantages",
@@ -249,6 +264,8 @@ def _per_token(a: Tensor, like: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 # Eq. (10) and KL
 
+RATIO_LOG_CLAMP = 20.0   # verl's bound on log ρ before the exponential (its `compute_policy_loss`)
+
 
 def policy_loss(
     logp: Tensor,
@@ -262,13 +279,16 @@ def policy_loss(
     """Eq. (10): L_PG = −TokenMean[min(ρA, clip(ρ, 1−ε, 1+ε)A)], ρ = exp(ℓ − ℓ_old),
     with verl's dual clip: where A < 0 the token's surrogate is at least c·A (``clip_ratio_c`` c = 3, verl's
     default; None = off), so a negative-advantage token whose ratio has grown past c adds −c·A to the loss and
-    no gradient.
+    no gradient. As in verl the log-ratio is held to ±20 before the exponential (``RATIO_LOG_CLAMP``): a token at
+    log-ratio 100 adds e^20·A (clipped by the surrogate) and no gradient, where e^100 is inf in fp32 and its
+    gradient NaN.
 
     logp, old_logp, mask: [B,L]; advantages: [B] (broadcast over tokens) or [B,L].
     Metrics: pg/loss, pg/clip_frac, pg/dual_clip_frac, pg/ratio_mean, pg/approx_kl, n_tokens.
     """
     A = _per_token(advantages, logp)  # [B,1] or [B,L]
     log_ratio = _masked(logp - old_logp.detach(), mask)  # [B,L]  0 outside the mask (note 8)
+    log_ratio = log_ratio.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)  # [B,L]  as verl (e^100: inf, a NaN gradient)
     ratio = log_ratio.exp()  # [B,L]  ρ
     surr1 = ratio * A  # [B,L]  ρA
     surr2 = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * A  # [B,L]  clip(ρ)A
@@ -362,6 +382,9 @@ def skill_advantages(
 # ----------------------------------------------------------------------------------------------
 # Eq. (11): trust-weighted, gated on-policy self-distillation
 
+LOGP_FLOOR = -30.0   # [ours] teacher log-probs are raised to this: a token the teacher rules out (−inf) costs
+                     # a finite 30 nats per unit of student mass instead of an infinite KL
+
 
 def opsd_loss(
     logp: Tensor,
@@ -371,7 +394,8 @@ def opsd_loss(
     beta: float = 5.0,
     n_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict]:
-    """Eq. (11): L_OPSD = TokenMean[λ_q · σ(β·sg(ℓ^T − ℓ)) · (ℓ^T − ℓ)], ℓ^T detached.
+    """Eq. (11): L_OPSD = TokenMean[λ_q · σ(β·sg(ℓ^T − ℓ)) · (ℓ^T − ℓ)], ℓ^T detached and raised to LOGP_FLOOR
+    (a −inf teacher entry would make the gate 0 and its product with −inf NaN).
 
     logp (student, with grad), teacher_logp, mask: [B,L]; trust λ: [B] (or [B,L]).
     ∂L/∂ℓ_t = −λ·gate_t/n ≤ 0 for λ ≥ 0: gradient descent raises every sampled token's log-prob,
@@ -379,7 +403,7 @@ def opsd_loss(
     Metrics: opsd/loss, opsd/gate_mean, opsd/gate_frac_gt_half, opsd/gap_mean, opsd/trust_mean.
     """
     lam = _per_token(trust.detach(), logp)  # [B,1] or [B,L]
-    d = _masked(teacher_logp.detach() - logp, mask)  # [B,L]  ℓ^T − ℓ, 0 outside the mask (note 8)
+    d = _masked(teacher_logp.detach().clamp(min=LOGP_FLOOR) - logp, mask)  # [B,L]  ℓ^T − ℓ, 0 outside the mask
     gate = torch.sigmoid(beta * d.detach())  # [B,L]  σ(β·sg(ℓ^T − ℓ))
     loss = masked_token_mean(lam * gate * d, mask, n_tokens)  # Eq. (11)
     with torch.no_grad():
@@ -388,19 +412,18 @@ def opsd_loss(
             "opsd/gate_mean": _local_mean(gate, mask),
             "opsd/gate_frac_gt_half": _local_mean((gate > 0.5).float(), mask),
             "opsd/gap_mean": _local_mean(d, mask),
-            "opsd/trust_mean": float(trust.detach().float().mean()) if trust.numel() else 0.0,
+            "opsd/trust_mean": _trust_mean(trust),
         }
     return loss, metrics
+
+
+def _trust_mean(trust: Tensor) -> float:
+    return float(trust.detach().float().mean()) if trust.numel() else 0.0
 
 
 # ----------------------------------------------------------------------------------------------
 # The teacher term's other estimators [ours] (METHOD.md §2.8.1). Eq. (11) moves only the sampled token, and
 # only upwards; these follow the reverse KL from the skill-conditioned teacher more closely. λ multiplies each.
-
-TEACHER_LOSSES = ("gated", "signed", "topk", "full", "negative")
-
-LOGP_FLOOR = -30.0   # [ours] teacher log-probs are raised to this: a token the teacher rules out (−inf) costs
-                     # a finite 30 nats per unit of student mass instead of an infinite KL
 
 
 def signed_teacher_loss(
@@ -430,16 +453,28 @@ def signed_teacher_loss(
             "opsd/loss": float(loss.detach()),
             "opsd/gap_mean": -_local_mean(d, mask),
             "opsd/clip_frac": _local_mean((d.abs() > clip).float(), mask),
-            "opsd/trust_mean": float(trust.detach().float().mean()) if trust.numel() else 0.0,
+            "opsd/trust_mean": _trust_mean(trust),
         }
     return loss, metrics
 
 
 def _log1mexp(x: Tensor) -> Tensor:
-    """log(1 − exp(x)) for x < 0, stable at both ends (x is first lowered to at most −1e-6: a top-K that holds
-    all the mass up to float error leaves a tail of 1e-6, not log 0)."""
+    """log(1 − exp(x)) for x < 0, stable at both ends. x is first lowered to at most −1e-6, so a support that holds
+    all the mass up to float error leaves a tail of 1e-6, not log 0. Only the student's tail is computed this way
+    (its error in the KL is at most 1e-6·(30 + 14) nats); the teacher's is exact (``support_logprobs``)."""
     x = x.clamp(max=-1e-6)
     return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _check_logprobs(x: Tensor, mask: Tensor, what: str):
+    """Refuse values that cannot be log-probabilities of one distribution (their logsumexp above 0 at a masked
+    position): raw logits passed where log-softmax values belong give a wrong KL without any other sign."""
+    if x.numel() == 0 or not mask.bool().any():
+        return
+    worst = float(torch.logsumexp(x.detach().float(), -1)[mask.bool()].max())
+    if worst > 1e-4:
+        raise ValueError(f"{what}: their logsumexp reaches {worst:.4g} > 0 at some position: pass log-probabilities "
+                         "(a log_softmax over the vocabulary, then gathered), not logits")
 
 
 def support_kl(
@@ -447,36 +482,44 @@ def support_kl(
     teacher_logp: Tensor,
     trust: Tensor,
     mask: Tensor,
-    tail: bool = True,
+    teacher_tail: Tensor | None = None,
+    valid: Tensor | None = None,
     n_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict]:
-    """Eq. (11c)/(11d): the reverse KL from the teacher,
-    KL(π_θ‖π_T) = Σ_v π_θ(v)·(log π_θ(v) − log π_T(v)), over a support S of the teacher's choosing,
-    trust-weighted: L = TokenMean[λ · KL_S].
+    """Eq. (11c)/(11d): the reverse KL from the teacher, KL(π_θ‖π_T) = Σ_v π_θ(v)·(log π_θ(v) − log π_T(v)), over a
+    support S (``support_ids``: the student's, the teacher's or both sides' top-K tokens), trust-weighted:
+    L = TokenMean[λ · KL_S].
 
-    student_logp, teacher_logp: [B,L,K] the log-probs of the same K tokens per position (the student's with
-    grad, gathered from its full log-softmax; the teacher's detached). tail (top-K, Eq. 11c): the mass outside
-    S is one more category, 1 − Σ_S π, for each side, so KL_S is the KL between two distributions over K + 1
-    outcomes: ≥ 0, at most the full KL (coarse-graining), equal to it when S is the whole vocabulary. Without
-    tail (Eq. 11d) S must be the whole vocabulary. Teacher log-probs are raised to LOGP_FLOOR; positions
-    outside the mask contribute neither value nor gradient (padded teacher rows may hold anything).
-    Gradient per student logit z_j (full vocabulary): λ·π_θ(j)·(log π_θ(j) − log π_T(j) − KL)/n.
+    student_logp, teacher_logp: [B,L,S] the log-probs of the same S tokens per position (the student's with grad,
+    gathered from its full log-softmax; the teacher's detached). ``teacher_tail`` [B,L] (top-K, Eq. 11c): the log
+    of the teacher's mass outside S, exact from its full log-softmax (``support_logprobs``); the mass outside S is
+    one more category for each side (the student's is 1 − Σ_S π_θ), so KL_S is the KL between two distributions
+    over S + 1 outcomes: ≥ 0, at most the full KL (coarse-graining), equal to it when S is the whole vocabulary.
+    Without it (Eq. 11d) S must be the whole vocabulary. ``valid`` [B,L,S] bool: the slots that hold a token (a
+    union of two top-Ks has fewer than 2K distinct ones); the others add nothing. Teacher log-probs are raised to
+    LOGP_FLOOR; positions outside the mask contribute neither value nor gradient (padded rows may hold anything).
+    Either side's values with a logsumexp above 0 are refused (logits passed for log-probs).
+    Gradient per student logit z_j: λ·π_θ(j)·(log q_θ(c) − log q_T(c) − KL_S)/n, c the outcome j falls in.
     Metrics: opsd/loss, opsd/kl (the token mean of KL_S without λ), opsd/tail_mass (the student's, tail only).
     """
     lam = _per_token(trust.detach(), student_logp[..., 0])  # [B,1] or [B,L]
     m = mask.bool().unsqueeze(-1)  # [B,L,1]
-    s = torch.where(m, student_logp, student_logp.detach())  # [B,L,K]  outside the mask: no gradient
-    t = torch.where(m, teacher_logp.detach().clamp(min=LOGP_FLOOR), s.detach())  # [B,L,K]  KL 0 outside
-    kl = (s.exp() * (s - t)).sum(-1)  # [B,L]  Σ_S π_θ (log π_θ − log π_T)
-    if tail:
-        s_tail = _log1mexp(torch.logsumexp(s, -1))  # [B,L]  log(1 − Σ_S π_θ)
-        t_tail = _log1mexp(torch.logsumexp(t, -1)).clamp(min=LOGP_FLOOR)  # [B,L]
-        kl = kl + s_tail.exp() * (s_tail - t_tail)  # [B,L]  the tail bucket
+    ok = m if valid is None else m & valid.bool()  # [B,L,S]  the slots that count
+    _check_logprobs(torch.where(ok, teacher_logp, -math.inf), mask, "teacher support log-probs")
+    _check_logprobs(torch.where(ok, student_logp, -math.inf), mask, "student support log-probs")
+    s = torch.where(ok, student_logp, student_logp.detach())  # [B,L,S]  no gradient where it does not count
+    t = torch.where(ok, teacher_logp.detach().clamp(min=LOGP_FLOOR), s.detach())  # [B,L,S]
+    kl = torch.where(ok, s.exp() * (s - t), torch.zeros_like(s)).sum(-1)  # [B,L]  Σ_S π_θ (log π_θ − log π_T)
+    if teacher_tail is not None:
+        held = torch.where(ok | ~m, s, -math.inf)  # [B,L,S]  outside the mask: any finite values
+        s_tail = _log1mexp(torch.logsumexp(held, -1))  # [B,L]  log(1 − Σ_S π_θ)
+        t_tail = torch.where(mask.bool(), teacher_tail.detach().clamp(min=LOGP_FLOOR), s_tail.detach())  # [B,L]
+        kl = kl + _masked(s_tail.exp() * (s_tail - t_tail), mask)  # [B,L]  the tail bucket
     loss = masked_token_mean(lam * kl, mask, n_tokens)  # Eq. (11c) / (11d)
     with torch.no_grad():
         metrics = {"opsd/loss": float(loss.detach()), "opsd/kl": _local_mean(kl, mask),
-                   "opsd/trust_mean": float(trust.detach().float().mean()) if trust.numel() else 0.0}
-        if tail:
+                   "opsd/trust_mean": _trust_mean(trust)}
+        if teacher_tail is not None:
             metrics["opsd/tail_mass"] = _local_mean(s_tail.exp(), mask)
     return loss, metrics
 
@@ -500,44 +543,151 @@ def lowprob_loss(
     loss = masked_token_mean(lam * low.to(logp.dtype) * _masked(logp, mask), mask, n_tokens)  # Eq. (11e)
     with torch.no_grad():
         metrics = {"opsd/loss": float(loss.detach()), "opsd/low_frac": _local_mean(low.float(), mask),
-                   "opsd/trust_mean": float(trust.detach().float().mean()) if trust.numel() else 0.0}
+                   "opsd/trust_mean": _trust_mean(trust)}
     return loss, metrics
 
 
-def teacher_loss(
-    kind: str,
+# ----------------------------------------------------------------------------------------------
+# The support of Eq. (11c-d): which tokens, the teacher's log-probs there and its exact tail (at scoring), and
+# the student's side with the rule for rows without a teacher (in the update)
+
+SUPPORT_SIDES = ("student", "teacher", "union")
+
+
+def support_ids(teacher_logp_all: Tensor, k: int, side: str = "student", student_ids: Tensor | None = None) -> Tensor:
+    """The top-K support at each position [..., S]: the student's K most likely tokens (``student_ids``, π_old's:
+    SDPO and TRL take the student's), the teacher's (from ``teacher_logp_all`` [..., V]: NeMo-RL's choice), or the
+    union of both (verl's distillation), S = 2K with −1 in the slots of tokens both sides hold. Long ids."""
+    if side == "student":
+        if student_ids is None:
+            raise ValueError("support side 'student' needs student_ids (π_old's top-K at each position)")
+        return student_ids.long()
+    own = teacher_logp_all.topk(k, dim=-1).indices  # [..., K]
+    if side == "teacher":
+        return own
+    if side != "union":
+        raise ValueError(f"support side {side!r}: must be one of {', '.join(SUPPORT_SIDES)}")
+    if student_ids is None:
+        raise ValueError("support side 'union' needs student_ids (π_old's top-K at each position)")
+    both = torch.cat([own, student_ids.long()], -1).sort(-1).values  # [..., 2K]
+    repeat = torch.zeros_like(both, dtype=torch.bool)
+    repeat[..., 1:] = both[..., 1:] == both[..., :-1]
+    return both.masked_fill(repeat, -1)  # [..., 2K]  each token once
+
+
+def support_logprobs(logp_all: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """A distribution on a support, from its whole log-softmax logp_all [..., V]: the log-probs at ``ids``
+    [..., S] (−inf in an empty slot, id −1) and the log of the mass outside them [...], exact (a logsumexp over
+    the other V − S tokens, not log(1 − Σ_S p): where the teacher is near-certain that difference is below float
+    precision, and a floored tail understates the KL of a student that disagrees)."""
+    lp = logp_all.gather(-1, ids.clamp(min=0)).masked_fill(ids < 0, -math.inf)  # [..., S]
+    fill = torch.where(ids < 0, ids[..., :1].clamp(min=0), ids)  # [..., S]  an empty slot repeats a held token
+    tail = logp_all.scatter(-1, fill, -math.inf).logsumexp(-1)  # [...]  log Σ_{v ∉ S} p(v)
+    return lp, tail
+
+
+def fill_rows(has_teacher: Tensor, teacher: Tensor, student: Tensor) -> Tensor:
+    """The rule for rows without a teacher (has_teacher [B] False): they take the student's own values, detached.
+    The support KL then gives them neither value nor gradient; Eq. (11) still raises their sampled tokens by
+    λ·σ(0)·∇ℓ, so such a row also needs λ = 0 (the trainer's rule). teacher, student: [B, ...]."""
+    has = has_teacher.bool().view(-1, *([1] * (student.dim() - 1)))
+    return torch.where(has, teacher.to(student.dtype), student.detach())
+
+
+def teacher_inputs(
     logp: Tensor,
-    trust: Tensor,
-    mask: Tensor,
-    *,
+    has_teacher: Tensor,
     teacher_logp: Tensor | None = None,
-    old_logp: Tensor | None = None,
-    student_support: Tensor | None = None,
-    teacher_support: Tensor | None = None,
-    beta: float = 5.0,
-    clip: float = 2.0,
-    threshold: float = 0.2,
-    n_tokens: float | Tensor | None = None,
-) -> tuple[Tensor, dict]:
-    """The teacher term of Eq. (12) by name (``TEACHER_LOSSES``): gated (Eq. 11: teacher_logp), signed (Eq. 11b:
-    teacher_logp), topk (Eq. 11c) and full (Eq. 11d): student_support and teacher_support [B,L,K] (K = V for
-    full), negative (Eq. 11e: old_logp). An unknown kind or a missing input is a ValueError."""
-    needs = {"gated": ("teacher_logp",), "signed": ("teacher_logp",), "topk": ("student_support", "teacher_support"),
-             "full": ("student_support", "teacher_support"), "negative": ("old_logp",)}
-    if kind not in needs:
-        raise ValueError(f"teacher loss {kind!r}: must be one of {', '.join(TEACHER_LOSSES)}")
-    given = {"teacher_logp": teacher_logp, "old_logp": old_logp, "student_support": student_support,
-             "teacher_support": teacher_support}
-    missing = [k for k in needs[kind] if given[k] is None]
+    logp_all: Tensor | None = None,
+    ids: Tensor | None = None,
+    support_lp: Tensor | None = None,
+    tail: Tensor | None = None,
+) -> dict:
+    """The teacher term's inputs for one micro-batch, as ``teacher_loss`` takes them, rows without a teacher
+    filled by ``fill_rows``. logp [B,L] (with grad); has_teacher [B]; teacher_logp [B,L] (ℓ^T). A support
+    estimator also takes the student's whole log-softmax logp_all [B,L,V] (with grad) and the teacher's side kept
+    at scoring: ids [B,L,S] (None = the whole vocabulary), support_lp [B,L,S] (or [B,L,V]), tail [B,L]."""
+    out = {}
+    if teacher_logp is not None:
+        out["teacher_logp"] = fill_rows(has_teacher, teacher_logp, logp)  # [B,L]
+    if logp_all is None:
+        return out
+    has = has_teacher.bool().view(-1, 1, 1)
+    if ids is None:  # the whole vocabulary (Eq. 11d)
+        student = torch.where(has, logp_all, logp_all.detach())  # [B,L,V]  with grad where there is a teacher
+        out.update(student_support=student, teacher_support=fill_rows(has_teacher, support_lp, logp_all))
+        return out
+    ids = torch.where(has, ids, torch.arange(ids.shape[-1], device=ids.device))  # [B,L,S]  no teacher: any S ids
+    student = logp_all.gather(-1, ids.clamp(min=0))  # [B,L,S]
+    student = torch.where(has, student, student.detach())  # with grad where there is a teacher
+    valid = ids >= 0  # [B,L,S]
+    s_tail = _log1mexp(torch.logsumexp(torch.where(valid, student, -math.inf), -1))  # [B,L]
+    out.update(student_support=student, teacher_support=fill_rows(has_teacher, support_lp, student),
+               teacher_tail=fill_rows(has_teacher, tail, s_tail), support_valid=valid)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The estimators by name: what each reads, and what scoring must keep of the teacher's distribution
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A teacher estimator: ``loss(x)`` of a ``TeacherInputs`` x, the inputs it reads (``needs``: fields of x that
+    must not be None), and what scoring keeps of the teacher's distribution at each position (``support``): none
+    (ℓ^T of the sampled token only), topk (K tokens per ``support_ids`` and the exact tail) or vocab (all of it)."""
+    loss: Callable[["TeacherInputs"], tuple[Tensor, dict]]
+    needs: tuple[str, ...]
+    support: str = "none"
+
+
+@dataclass
+class TeacherInputs:
+    """Everything an estimator may read. logp, trust, mask: [B,L], [B], [B,L]; the rest as ``teacher_inputs``
+    gives them, and the options each estimator takes."""
+    logp: Tensor
+    trust: Tensor
+    mask: Tensor
+    n_tokens: float | Tensor | None = None
+    teacher_logp: Tensor | None = None
+    old_logp: Tensor | None = None
+    student_support: Tensor | None = None
+    teacher_support: Tensor | None = None
+    teacher_tail: Tensor | None = None
+    support_valid: Tensor | None = None
+    beta: float = 5.0
+    clip: float = 2.0
+    threshold: float = 0.2
+
+
+TEACHER_ESTIMATORS: dict[str, Estimator] = {
+    "gated": Estimator(lambda x: opsd_loss(x.logp, x.teacher_logp, x.trust, x.mask, x.beta, x.n_tokens),
+                       ("teacher_logp",)),
+    "signed": Estimator(lambda x: signed_teacher_loss(x.logp, x.teacher_logp, x.trust, x.mask, x.clip, x.n_tokens),
+                        ("teacher_logp",)),
+    "topk": Estimator(lambda x: support_kl(x.student_support, x.teacher_support, x.trust, x.mask, x.teacher_tail,
+                                           x.support_valid, x.n_tokens),
+                      ("student_support", "teacher_support", "teacher_tail"), "topk"),
+    "full": Estimator(lambda x: support_kl(x.student_support, x.teacher_support, x.trust, x.mask,
+                                           n_tokens=x.n_tokens),
+                      ("student_support", "teacher_support"), "vocab"),
+    "negative": Estimator(lambda x: lowprob_loss(x.logp, x.old_logp, x.trust, x.mask, x.threshold, x.n_tokens),
+                          ("old_logp",)),
+}
+
+
+def teacher_loss(kind: str, logp: Tensor, trust: Tensor, mask: Tensor, **inputs) -> tuple[Tensor, dict]:
+    """The teacher term of Eq. (12) by name (``TEACHER_ESTIMATORS``): gated (Eq. 11), signed (11b), topk (11c),
+    full (11d), negative (11e). ``inputs``: the other fields of ``TeacherInputs`` (n_tokens, the estimator's inputs,
+    beta / clip / threshold). An unknown kind, or an input the estimator needs left out, is a ValueError."""
+    if kind not in TEACHER_ESTIMATORS:
+        raise ValueError(f"teacher loss {kind!r}: must be one of {', '.join(TEACHER_ESTIMATORS)}")
+    x = TeacherInputs(logp, trust, mask, **inputs)
+    est = TEACHER_ESTIMATORS[kind]
+    missing = [k for k in est.needs if getattr(x, k) is None]
     if missing:
         raise ValueError(f"teacher loss {kind!r} needs {', '.join(missing)}")
-    if kind == "gated":
-        return opsd_loss(logp, teacher_logp, trust, mask, beta=beta, n_tokens=n_tokens)
-    if kind == "signed":
-        return signed_teacher_loss(logp, teacher_logp, trust, mask, clip=clip, n_tokens=n_tokens)
-    if kind == "negative":
-        return lowprob_loss(logp, old_logp, trust, mask, threshold=threshold, n_tokens=n_tokens)
-    return support_kl(student_support, teacher_support, trust, mask, tail=kind == "topk", n_tokens=n_tokens)
+    return est.loss(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -552,52 +702,36 @@ def rsipo_loss(
     *,
     entropy: Tensor | None = None,
     ref_logp: Tensor | None = None,
-    teacher_logp: Tensor | None = None,
-    trust: Tensor | None = None,
+    teacher_term: tuple[Tensor, dict] | None = None,
     clip_eps: float = 0.2,
-    beta: float = 5.0,
     alpha: float = 0.01,
     c_kl: float = 0.01,
     c_ent: float = 0.001,
     pg_weight: float = 1.0,
     n_tokens: float | Tensor | None = None,
-    pg_n_tokens: float | Tensor | None = None,
     reg_n_tokens: float | Tensor | None = None,
-    teacher_kind: str = "gated",
-    student_support: Tensor | None = None,
-    teacher_support: Tensor | None = None,
-    teacher_clip: float = 2.0,
-    low_threshold: float = 0.2,
     clip_ratio_c: float | None = 3.0,
     kl_clamp: float | None = 10.0,
 ) -> tuple[Tensor, dict]:
     """Eq. (12) for a batch of samples of one kind:
-    L = pg_weight·L_PG + α·L_OPSD + c_KL·KL_k3 − c_H·H.
+    L = pg_weight·L_PG + α·L_teacher + c_KL·KL_k3 − c_H·H.
 
-    Student turns: advantages = Eq. (1), teacher_logp/trust given, pg_weight = 1.
-    Skill-writing samples: advantages = A^skill (Eq. 5), teacher_logp = None, pg_weight = η —
-    the PG term is then η·L_skill; adding the two calls' losses gives Eq. (12) (deviation 3).
-    A term is skipped when its input is None or its coefficient is 0: entropy=None or c_ent=0 →
-    no entropy bonus; ref_logp=None or c_kl=0 → no KL; no teacher (teacher_logp and teacher_support
-    None) or alpha=0 → no OPSD. ``teacher_kind`` picks the teacher term's estimator (``teacher_loss``:
-    gated is Eq. 11; topk and full take ``student_support`` / ``teacher_support``, negative ``old_logp``).
-    With no OPSD term this is exactly the GRPO loss (tested). All tensors [B,L] except
-    advantages/trust ([B] or [B,L]). Token-mean denominators (deviation 9): ``n_tokens`` for the
-    OPSD term, ``pg_n_tokens`` for the PG term and ``reg_n_tokens`` for KL and entropy, each
-    defaulting to ``n_tokens`` (as in ``masked_token_mean``).
+    Student turns: advantages = Eq. (1), ``teacher_term`` = ``teacher_loss(...)`` (the caller computes it: which
+    estimator, its inputs, its token mean), pg_weight = 1. Skill-writing samples: advantages = A^skill (Eq. 5), no
+    teacher term, pg_weight = η — the PG term is then η·L_skill; adding the two calls' losses gives Eq. (12)
+    (deviation 3). A term is skipped when its input is None or its coefficient is 0: entropy=None or c_ent=0 →
+    no entropy bonus; ref_logp=None or c_kl=0 → no KL; teacher_term=None or alpha=0 → no teacher term. With no
+    teacher term this is exactly the GRPO loss (tested). All tensors [B,L] except advantages ([B] or [B,L]).
+    Token-mean denominators (deviation 9): ``n_tokens`` for the PG term, ``reg_n_tokens`` for KL and entropy
+    (default ``n_tokens``), both as in ``masked_token_mean``.
     """
-    pg_n = n_tokens if pg_n_tokens is None else pg_n_tokens
     reg_n = n_tokens if reg_n_tokens is None else reg_n_tokens
-    pg, metrics = policy_loss(logp, old_logp, advantages, mask, clip_eps=clip_eps, n_tokens=pg_n,
+    pg, metrics = policy_loss(logp, old_logp, advantages, mask, clip_eps=clip_eps, n_tokens=n_tokens,
                               clip_ratio_c=clip_ratio_c)
     loss = pg_weight * pg  # Eq. (12) L_PG (or η·L_skill)
-    if (teacher_logp is not None or teacher_support is not None) and alpha != 0.0:
-        if trust is None:
-            raise ValueError("a teacher given without trust (pass ones for λ ≡ 1)")
-        opsd, m = teacher_loss(teacher_kind, logp, trust, mask, teacher_logp=teacher_logp, old_logp=old_logp,
-                               student_support=student_support, teacher_support=teacher_support, beta=beta,
-                               clip=teacher_clip, threshold=low_threshold, n_tokens=n_tokens)
-        loss = loss + alpha * opsd  # Eq. (12) α·L_OPSD (Eq. 11, or 11b-11e by teacher_kind)
+    if teacher_term is not None and alpha != 0.0:
+        term, m = teacher_term
+        loss = loss + alpha * term  # Eq. (12) α·L_OPSD (Eq. 11, or 11b-11e: teacher_loss)
         metrics.update(m)
     if ref_logp is not None and c_kl != 0.0:
         kl, m = kl_k3(logp, ref_logp, mask, n_tokens=reg_n, clamp=kl_clamp)

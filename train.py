@@ -8,9 +8,12 @@
 
 One RL step (`rl_step`) calls, in the order of METHOD.md §2:
     rollout_and_advantages (Eq. 1) → write_skills (Eq. 2; or give_skills, --teacher_skill) → replay (Eq. 3-4) →
-    share_records → skill_advantages (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → score (old / reference /
-    teacher log-probs) → update (Eq. 10-12) → sync_weights → step_row (what the step logs)
-`--algo grpo` runs rollout, score, update; `opsd` adds skills and the teacher with λ ≡ 1; `rsipo` all of it.
+    share_records → skill_advantages (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → calibrate (--calibrate) →
+    training_samples → score_policy (old / reference log-probs) → score_teacher (the teacher, its support, the
+    skill-in-prompt check) → update (Eq. 10-12: teacher_inputs, teacher_loss, rsipo_loss) → sync_weights →
+    follow_policy (the teacher's own weights) → step_row (what the step logs)
+each inside one `Sections` context (harness/run.py: timed, and before the update a SIGTERM check after it).
+`--algo grpo` runs rollout, scoring, update; `opsd` adds skills and the teacher with λ ≡ 1; `rsipo` all of it.
 `rl_step` alone decides which sections run; the file follows it: the records, the step, its sections in call
 order, the update in its parts, what a step logs, then the warm start, the reference and `main`.
 Every section is a function of the `Run` (what the whole run holds) and the step's `Batch`; a test can call
@@ -61,7 +64,7 @@ import rsipo
 import shrinkage
 from harness import tiny
 from harness.config import Args, parse_args
-from harness.run import (Preemption, Run, Timer, build_policy, compute_dtype, evaluate_and_print, finish, log_row,
+from harness.run import (Preemption, Run, Sections, build_policy, compute_dtype, evaluate_and_print, finish, log_row,
                          progress, resume, save, save_policy, setup, teardown, watch_step)
 from harness.sft import load_sft_jsonl, sft
 from harness.calibration import calibrate
@@ -69,8 +72,8 @@ from infra import distributed as D
 from infra.io import write_text
 from infra.distributed import (aligned_micro_batches, all_gather_obj, all_reduce, all_reduce_named, all_reduce_union,
                                print0, shard)
-from rollout import (Episode, Generation, Turn, by_task, collate, fit_prompt, run_episodes, sampler_gap, teacher_pair,
-                     token_logprobs_of)
+from rollout import (Episode, Generation, Support, Turn, by_task, collate, fit_prompt, run_episodes, sampler_gap,
+                     teacher_pair, token_logprobs_of)
 from skills import ANALYZER_MAX_STEPS, analyzer_prompt, names_task, parse_skill
 
 
@@ -118,10 +121,10 @@ class Sample:
     old: torch.Tensor                           # [r] log π_old of the response tokens
     ref: Optional[torch.Tensor] = None          # [r] log π_ref
     teacher: Optional[torch.Tensor] = None      # [r] ℓ^T: same tokens, skill in the prompt (§2.7)
-    teacher_ids: Optional[torch.Tensor] = None  # [r, K] int32: the teacher's top-K tokens (--teacher_loss topk)
-    teacher_dist: Optional[torch.Tensor] = None  # [r, K] their log-probs (topk), or [r, V] all of them (full)
+    support: Optional[Support] = None           # the teacher's side of Eq. (11c-d): its support, log-probs, tail
+    student_top: Optional[torch.Tensor] = None  # [r, K] π_old's top-K ids (a student-side support), until scored
     teacher_prompt: Optional[list[int]] = None  # the teacher's prompt ids (§2.9), checked to hold its skill
-    trust: float = 0.0                          # λ_q, Eq. (9); 0 wherever `teacher` is None (`score`)
+    trust: float = 0.0                          # λ_q, Eq. (9); 0 wherever `teacher` is None (`score_teacher`)
     skill: bool = False                         # a skill-writing sample: weight η, no teacher
     turn: Optional[Turn] = None                 # the student turn it came from
     sampled: Optional[list[float]] = None       # the sampler's log-probs, where comparable with π_old (free sampling)
@@ -137,41 +140,38 @@ def rl_step(run: Run, step: int) -> dict:
     update, a SIGTERM on any rank abandons the step (`Preemption`). The sections compute; what the step logs is
     built from their results at the end (`step_row`, "What a step logs")."""
     a = run.args
-    timer = Timer()
-    check = run.preempt.check
+    section = Sections(run.preempt)       # each section timed; before the update, a SIGTERM check after each
     rsipo_sections = a.algo == "rsipo"
     recs, fit, calib = [], None, {}
-    with timer("rollout"):
+    with section("rollout"):
         b = rollout_and_advantages(run)
-    check()
     if a.uses_skills:
-        with timer("skills"):
+        with section("skills"):
             (write_skills if a.teacher_skill == "own" else give_skills)(run, b)
-        check()
         if rsipo_sections:
-            with timer("replay"):
+            with section("replay"):
                 replay(run, b)
-            check()
-        recs = share_records(b)
-        if rsipo_sections:
-            skill_advantages(run, recs)
-        fit = trust(run, recs, replayed=rsipo_sections)
-        if rsipo_sections:
-            keep_skills(run, recs, step)
+        with section("trust"):
+            recs = share_records(b)
+            if rsipo_sections:
+                skill_advantages(run, recs)
+            fit = trust(run, recs, replayed=rsipo_sections)
+            if rsipo_sections:
+                keep_skills(run, recs, step)
         if a.calibrate:
-            with timer("calibrate"):
+            with section("calibrate"):
                 calib = calibrate(run, b, step)
-    with timer("score"):
-        samples, skill_samples = score(run, b)
-    seen = skill_in_teacher_prompts(run, b, [sm for sm in samples if sm.teacher is not None])
-    check()                               # the last point to abandon: the update changes the weights
-    with timer("update"):
+    with section("score"):                # the last point to abandon: the update changes the weights
+        samples, skill_samples = training_samples(run, b)
+        score_policy(run, samples, skill_samples)
+        seen = score_teacher(run, b, samples)
+    with section("update", check=False):
         update_metrics = update(run.model, run.opt, samples + skill_samples, UpdateConfig.from_args(a),
                                 run.tok.pad_token_id, run.device, use_teacher=a.uses_skills)
-    with timer("sync"):
+    with section("sync", check=False):
         sync_weights(run)
         follow_policy(run, step)
-    step_time = {**timer.times, "time/step": time.time() - timer.t0}
+    step_time = {**section.timer.times, "time/step": time.time() - section.timer.t0}
     return step_row(run, step, b, samples, skill_samples, {**update_metrics, **step_time, **calib},
                     skills=recs if a.uses_skills else None, fit=fit, seen=seen)
 
@@ -417,15 +417,11 @@ def keep_skills(run: Run, recs: list[TaskRecord], step: int):
             run.bank.add(r.task_type, r.skill, r.gain, r.shrunk, r.task_id, step + 1)
 
 
-def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
-    """The samples of the update and their log-probs (METHOD.md §2.7): π_old (the weights that sampled), π_ref
-    (for the KL term), and the teacher ℓ^T: the same response tokens with the task's skill inserted after
-    the task line of the student's prompt, under π_old. Skill-writing responses are samples too (rsipo).
-    Here, and only here, a turn gets its λ: its task's trust, or 0 where it has no teacher log-probs (no
-    trusted skill, or a teacher prompt over --max_prompt_tokens)."""
+def training_samples(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
+    """The samples of the update (METHOD.md §2.7): the student turns, each with its advantage and its task's λ, and
+    the skill-writing responses (rsipo), by the [ours] rules: --drop_zero_adv leaves out a turn with neither a
+    policy gradient nor a teacher, --opsd_keep subsamples the teacher-only ones, η = 0 trains no skill writing."""
     a = run.args
-    if a.engine == "vllm":
-        run.engine.sleep()                # generation is over for this step: free vLLM's GPU memory
     samples = []
     for tr, A in zip(b.turns, b.adv):
         lam = b.records[tr.group_id].trust
@@ -441,35 +437,69 @@ def score(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
     gens = [b.skill_gens[k] for k in skill_tasks]
     skill_samples = [Sample(g.prompt_ids, g.token_ids, b.records[k].skill_adv, None, skill=True,
                             sampled=g.logprobs if g.free else None) for g, k in zip(gens, skill_tasks)]
-    # π_old, the weights that sampled: the rollout copy on the HF engine; with vLLM the FSDP2 policy itself,
-    # whose weights vLLM holds (synced after the last update, and this step's update has not run)
-    old_model = run.rollout_model if run.rollout_model is not None else run.model
-    # every log-prob at the temperature its tokens were sampled at, as verl (`sampled_at`)
-    for group, temp in ((skill_samples, sampled_at(a, True)), (samples, sampled_at(a, False))):
+    return samples, skill_samples
+
+
+def old_policy(run: Run):
+    """π_old, the weights that sampled: the rollout copy on the HF engine; with vLLM the FSDP2 policy itself, whose
+    weights vLLM holds (synced after the last update, and this step's update has not run)."""
+    return run.rollout_model if run.rollout_model is not None else run.model
+
+
+def score_policy(run: Run, samples: list[Sample], skill_samples: list[Sample]):
+    """π_old's and π_ref's log-probs of every trained response (§2.7), each at the temperature its tokens were
+    sampled at, as verl (`sampled_at`); for the turns with a teacher under a student-side top-K support
+    (--teacher_support student | union), π_old's K most likely tokens too."""
+    a = run.args
+    if a.engine == "vllm":
+        run.engine.sleep()                # generation is over for this step: free vLLM's GPU memory
+    top = a.teacher_topk if (a.uses_skills and a.teacher_support != "teacher"
+                             and rsipo.TEACHER_ESTIMATORS[a.teacher_loss].support == "topk") else 0
+    for group, temp, k in ((skill_samples, sampled_at(a, True), 0), (samples, sampled_at(a, False), top)):
         pairs = [(sm.prompt_ids, sm.response_ids) for sm in group]
-        for sm, o in zip(group, run.logprobs(old_model, pairs, temperature=temp)):
-            sm.old = o
-        for sm, r in zip(group, run.logprobs(run.ref, pairs, temperature=temp)
+        for sm, o in zip(group, run.logprobs(old_policy(run), pairs, temp, top=k)):
+            sm.old, sm.student_top = o if k else (o, None)
+        for sm, r in zip(group, run.logprobs(run.ref, pairs, temp)
                          if a.c_kl > 0 and run.ref is not None else []):
             sm.ref = r
+
+
+def score_teacher(run: Run, b: Batch, samples: list[Sample]) -> dict:
+    """The teacher (§2.7): each turn with λ > 0 rescored with its task's skill inserted after the task line of
+    its prompt, ℓ^T = log π_T(y | teacher prompt), by the weights of --teacher_weights [ours], and with a support
+    estimator what it keeps of the teacher's distribution (`teacher_keep`). Here, and only here, a turn's λ becomes 0
+    where it has no teacher log-probs (a teacher prompt over --max_prompt_tokens). Returns the proof that each
+    teacher saw its skill (`skill_in_teacher_prompts`)."""
+    a = run.args
     kept = [sm for sm in samples if sm.trust > 0]   # grpo and gigpo trust no teacher: every λ is 0
     teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
                           run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
     fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
-    # [ours] whose weights score the teacher (--teacher_weights), and what of its distribution the loss needs
-    teacher_model = {"live": old_model, "frozen": run.ref}.get(a.teacher_weights, run.teacher)
-    support = {"topk": a.teacher_topk, "full": -1}.get(a.teacher_loss, 0)
-    for j, scored in zip(fit, run.logprobs(teacher_model, [teach[j] for j in fit], support, sampled_at(a, False))):
-        if support:                       # ℓ^T, and the teacher's top-K tokens (or all of them) for Eq. (11c-d)
-            kept[j].teacher, kept[j].teacher_ids, kept[j].teacher_dist = scored
-        else:
-            kept[j].teacher = scored      # ℓ^T = log π_T(y | teacher prompt)
+    teacher_model = {"live": old_policy(run), "frozen": run.ref}.get(a.teacher_weights, run.teacher)
+    keep = teacher_keep(a, [kept[j].student_top for j in fit])
+    for j, scored in zip(fit, run.logprobs(teacher_model, [teach[j] for j in fit], sampled_at(a, False), **keep)):
+        kept[j].teacher, kept[j].support = scored if keep else (scored, None)   # ℓ^T (and the support)
         kept[j].teacher_prompt = teach[j][0]
     for sm in samples:
+        sm.student_top = None
         if sm.teacher is None:            # no teacher for this turn: λ = 0
             sm.trust = 0.0
     b.teacher_overflow = len(kept) - len(fit)
-    return samples, skill_samples
+    return skill_in_teacher_prompts(run, b, [sm for sm in samples if sm.teacher is not None])
+
+
+def teacher_keep(a, student_top: list) -> dict:
+    """What scoring keeps of the teacher's distribution, as the estimator's row of rsipo.TEACHER_ESTIMATORS says:
+    nothing beyond ℓ^T, all of it (vocab), or the top-K support of --teacher_support [ours] (student: π_old's K
+    most likely tokens, `student_top`, one per sample scored; teacher: the teacher's own; union: both)."""
+    support = rsipo.TEACHER_ESTIMATORS[a.teacher_loss].support
+    if support == "vocab":
+        return {"support": "vocab"}
+    if support != "topk":
+        return {}
+    pick = lambda i, row: rsipo.support_ids(row, a.teacher_topk, a.teacher_support,   # noqa: E731
+                                            None if student_top[i] is None else student_top[i].to(row.device))
+    return {"support": pick}
 
 
 def sampled_at(a, skill: bool) -> float:
@@ -533,7 +563,8 @@ class UpdateConfig:
     temperature: float
     skill_temperature: float
     teacher_loss: str
-    teacher_topk: int
+    teacher_support: str
+    teacher_norm: str
     teacher_clip: float
     teacher_low: float
 
@@ -582,15 +613,17 @@ class TokenCounts:
     """The token counts one mini-batch's means divide by, each summed over all ranks and divided by the world
     size: FSDP averages the gradients over ranks, so a rank whose loss is its tokens' sum over N / W gives,
     averaged, the sum over every rank's tokens over N (the global token mean)."""
-    turn: float                           # student turns' response tokens: OPSD
+    turn: float                           # student turns' response tokens: the teacher term (--teacher_norm all)
+    taught: float                         # those of the turns with a teacher (--teacher_norm taught)
     pg: float                             # those of turns with a policy gradient: the PG term
     skill: float                          # skill-writing samples' tokens: the skill PG term
 
 
 def token_counts(chunk: list[Sample], drop_zero_adv: bool) -> TokenCounts:
     pg_bearing = [s for s in chunk if not s.skill and (s.adv != 0.0 or not drop_zero_adv)]
-    local = [sum(len(s.response_ids) for s in chunk if not s.skill), sum(len(s.response_ids) for s in pg_bearing),
-             sum(len(s.response_ids) for s in chunk if s.skill)]
+    local = [sum(len(s.response_ids) for s in chunk if not s.skill),
+             sum(len(s.response_ids) for s in chunk if not s.skill and s.teacher is not None),
+             sum(len(s.response_ids) for s in pg_bearing), sum(len(s.response_ids) for s in chunk if s.skill)]
     return TokenCounts(*(float(x) / D.WORLD for x in all_reduce(local)))
 
 
@@ -601,54 +634,49 @@ def micro_step(model, sub: list[Sample], skill: bool, empty: bool, tokens: Token
     ids, attn, tgt, mask = collate([(s.prompt_ids, s.response_ids) for s in sub], pad_id, device)
     if empty:
         mask = mask * 0
-    support = use_teacher and args.teacher_loss in ("topk", "full")   # Eq. (11c-d) need the whole log-softmax
-    logp, ent, *logp_all = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0, with_all=support,
+    wide = use_teacher and rsipo.TEACHER_ESTIMATORS[args.teacher_loss].support != "none"   # Eq. (11c-d)
+    logp, ent, *logp_all = token_logprobs_of(model, ids, attn, tgt, with_entropy=args.c_ent > 0, with_all=wide,
                                              temperature=sampled_at(args, skill))   # [B, R] (, [B, R, V])
     old = _place([s.old for s in sub], sub, logp.shape, device)
     if first:
         sums.add_first_gap((logp.detach() - old).abs() * mask, mask)
     ref = _place([s.ref for s in sub], sub, logp.shape, device) if sub[0].ref is not None else None
-    teacher = None
-    if use_teacher:
-        teacher = _place([s.teacher for s in sub], sub, logp.shape, device)
-        # a sample without teacher log-probs has λ = 0 (`score` decides it); ℓ^T := ℓ fills its row
-        no_teacher = torch.tensor([s.teacher is None for s in sub], device=device)[:, None]
-        teacher = torch.where(no_teacher, logp.detach(), teacher)
-    student_support, teacher_support = teacher_support_of(sub, logp_all[0], args) if support else (None, None)
+    term = None
+    if use_teacher:                       # the teacher term, computed here and handed to Eq. (12)
+        has = torch.tensor([s.teacher is not None for s in sub], device=device)              # [B]
+        x = rsipo.teacher_inputs(logp, has, _place([s.teacher for s in sub], sub, logp.shape, device),
+                                 *(support_of(sub, logp_all[0], args) if wide else ()))
+        n_teach = tokens.taught if args.teacher_norm == "taught" else tokens.turn
+        term = rsipo.teacher_loss(args.teacher_loss, logp, torch.tensor([s.trust for s in sub], device=device),
+                                  mask, old_logp=old, n_tokens=max(n_teach, 1.0), beta=args.beta,
+                                  clip=args.teacher_clip, threshold=args.teacher_low, **x)
     adv = torch.tensor([s.adv for s in sub], device=device)                               # [B]
-    trust = torch.tensor([s.trust for s in sub], device=device)                           # [B]
-    n_tok = tokens.skill if skill else tokens.turn
     loss, step_metrics = rsipo.rsipo_loss(
-        logp, old, adv, mask, entropy=ent, ref_logp=ref, teacher_logp=teacher,
-        trust=trust if teacher is not None else None, clip_eps=args.clip_eps, beta=args.beta, alpha=args.alpha,
-        c_kl=args.c_kl, c_ent=args.c_ent, pg_weight=args.eta if skill else 1.0, n_tokens=max(n_tok, 1.0),
-        pg_n_tokens=max(n_tok if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0),
-        teacher_kind=args.teacher_loss, student_support=student_support, teacher_support=teacher_support,
-        teacher_clip=args.teacher_clip, low_threshold=args.teacher_low, clip_ratio_c=args.clip_ratio_c or None,
-        kl_clamp=args.kl_clamp or None)
+        logp, old, adv, mask, entropy=ent, ref_logp=ref, teacher_term=term, clip_eps=args.clip_eps,
+        alpha=args.alpha, c_kl=args.c_kl, c_ent=args.c_ent, pg_weight=args.eta if skill else 1.0,
+        n_tokens=max(tokens.skill if skill else tokens.pg, 1.0), reg_n_tokens=max(tokens.turn + tokens.skill, 1.0),
+        clip_ratio_c=args.clip_ratio_c or None, kl_clamp=args.kl_clamp or None)
     loss.backward()
     sums.add(step_metrics, skill, float(mask.sum()))
 
 
-def teacher_support_of(sub: list[Sample], logp_all: torch.Tensor, args: UpdateConfig) -> tuple[torch.Tensor,
-                                                                                              torch.Tensor]:
-    """Eq. (11c-d)'s inputs [B, R, K]: the student's log-probs (with grad) on the teacher's support, its top-K
-    tokens at each position (topk) or the whole vocabulary (full), and the teacher's there. A row without a
-    teacher gets the student's own values (KL 0; `score` gave it λ = 0 as well)."""
+def support_of(sub: list[Sample], logp_all: torch.Tensor, args: UpdateConfig) -> tuple:
+    """The student's whole log-softmax [B, R, V] (with grad) and the teacher's side of Eq. (11c-d) kept at scoring,
+    padded to [B, R, S] ids (None: the whole vocabulary), [B, R, S] (or [B, R, V]) log-probs, [B, R] tails; a row
+    without a teacher holds any finite values (rsipo.teacher_inputs fills it with the student's own)."""
     B, R, V = logp_all.shape
-    if args.teacher_loss == "full":
-        student = logp_all                                                             # [B, R, V]
-    else:
-        ids = torch.zeros((B, R, args.teacher_topk), dtype=torch.long, device=logp_all.device)   # [B, R, K]
-        for b, s in enumerate(sub):
-            if s.teacher_ids is not None:
-                ids[b, :len(s.teacher_ids)] = s.teacher_ids.to(ids)
-        student = logp_all.gather(-1, ids)                                             # [B, R, K]
-    teacher = student.detach().clone()
+    vocab = rsipo.TEACHER_ESTIMATORS[args.teacher_loss].support == "vocab"
+    S = V if vocab else next((len(s.support.ids[0]) for s in sub if s.support is not None and len(s.support.ids)), 1)
+    ids = None if vocab else torch.arange(S, device=logp_all.device).repeat(B, R, 1)   # [B, R, S]
+    lp = torch.zeros((B, R, S), device=logp_all.device)
+    tail = torch.zeros((B, R), device=logp_all.device)
     for b, s in enumerate(sub):
-        if s.teacher_dist is not None:
-            teacher[b, :len(s.teacher_dist)] = s.teacher_dist.to(teacher)
-    return student, teacher
+        if s.support is not None:
+            r = len(s.support.lp)
+            lp[b, :r] = s.support.lp.to(lp)
+            if ids is not None:
+                ids[b, :r], tail[b, :r] = s.support.ids.to(ids), s.support.tail.to(tail)
+    return logp_all, ids, lp, None if ids is None else tail
 
 
 def optimizer_step(model, opt, args: UpdateConfig, metrics: dict, n_mini: int):
@@ -1000,13 +1028,14 @@ def reference(run: Run, resumed: bool):
 def teacher_copy(run: Run):
     """[ours] --teacher_weights ema | refresh: the teacher's own weights, fp32 (an average of steps at lr 1e-6
     vanishes in bf16), filled from the policy once it is warm-started or from a checkpoint; None otherwise. A real
-    model on GPUs: FSDP2-sharded like the policy (`ema_params` then works shard by shard), 4 bytes a parameter
-    over the ranks (7B on 8 GPUs: 3.8 GB each); else a plain copy on every rank (CPU)."""
+    model on GPUs: FSDP2-sharded like the policy and built empty (`ema_params` then works shard by shard; nothing
+    is read from disk), 4 bytes a parameter over the ranks (7B on 8 GPUs: 3.8 GB each); else a plain copy on every
+    rank (CPU)."""
     a = run.args
     if a.teacher_weights not in ("ema", "refresh"):
         return None
-    if run.device.type == "cuda" and dist.is_initialized() and a.model != "tiny":
-        teacher = D.load_sharded(run.model_path, torch.float32, run.device, compute_dtype(a))
+    if run.device.type == "cuda" and dist.is_initialized() and a.model != "tiny":   # built empty, filled by the caller
+        teacher = D.sharded_like(run.model, torch.float32, run.device, compute_dtype(a))
     else:
         teacher = D.rollout_copy(run.model, torch.float32, run.device)
     for p in teacher.parameters():
@@ -1032,6 +1061,7 @@ def main(argv=None) -> dict:
             if a.max_env_steps and run.env_steps >= a.max_env_steps:
                 break                     # resumed after the budget was spent: on to the final evaluation
             row = guard.step(run, step, rl_step)
+            run.stepped = True
             if a.eval_every and (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
                 row.update(guard.phase(run, lambda: evaluate_and_print(run, "eval_every", f"at step {step + 1}")[0],
                                        done=step + 1, cut_ok=True))   # cut short: the stop below saves the step

@@ -16,7 +16,8 @@ def calibrate(run, b, step: int) -> dict:
     with it and as many without (a fresh control), independent of the episodes its λ came from. One row
     per task in calibration.jsonl: λ as trained, Eq. (9)'s posterior under eb and raw trust, the replay
     gain it was computed from, and the fresh gain. These episodes train nothing and do not count
-    toward --max_env_steps. Returns the check's env steps and tasks (`calib/env_steps`, `calib/tasks`)."""
+    toward --max_env_steps. A SIGTERM cuts them short at their next turn, like the rollouts (the step is then
+    abandoned and its rows dropped). Returns the check's env steps and tasks (`calib/env_steps`, `calib/tasks`)."""
     a, M = run.args, run.args.calibrate
     idx = [k for k, r in enumerate(b.records) if r.replay_ok and r.posterior]
     rows, n_steps = [], 0
@@ -24,10 +25,10 @@ def calibrate(run, b, step: int) -> dict:
         tasks = [b.tasks[k] for k in idx]
         eps = run_episodes(run.engine, run.pool, tasks + tasks, M, history_len=a.history_len,
                            skills={j: b.records[k].skill for j, k in enumerate(idx)},   # first half: with the skill
-                           temperature=a.temperature, constrained=a.constrained)
+                           temperature=a.temperature, constrained=a.constrained, stop=run.stop_now)
         n_steps = sum(len(e.steps) for e in eps)
         groups = by_task(eps, M)
-        for j, k in enumerate(idx):
+        for j, k in enumerate(idx if not run.stop_now() else []):   # cut short: unfinished, no rows
             with_skill, control, rec = groups[j], groups[len(idx) + j], b.records[k]
             if any(e.error for e in with_skill + control):
                 continue

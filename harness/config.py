@@ -32,7 +32,7 @@ from harness import tiny
 from harness.tiny import is_tiny
 from infra import distributed as D
 from infra.env_backends import SHORT_TASK_TYPES
-from rsipo import TEACHER_LOSSES
+from rsipo import SUPPORT_SIDES, TEACHER_ESTIMATORS
 
 
 # ---- The presets ---------------------------------------------------------------------------------------------
@@ -218,12 +218,19 @@ class Args:
                              "in its game) | wrong_place (the same sentence naming another receptacle: its control)")
     teacher_loss: str = arg("gated", "[ours] the teacher term's estimator (METHOD.md §2.8.1), λ times each: "
                             "gated (Eq. 11, the paper's) | signed (Eq. 11b: advantage −clip(ℓ − ℓ^T)) | "
-                            "topk (Eq. 11c: reverse KL over the teacher's --teacher_topk tokens and a tail bucket) | "
+                            "topk (Eq. 11c: reverse KL over --teacher_topk tokens (--teacher_support) and a tail "
+                            "bucket) | "
                             "full (Eq. 11d: over the whole vocabulary, at most 4,096 tokens) | "
                             "negative (Eq. 11e: the teacher-free control, advantage −1 on tokens π_old gave less "
                             "than --teacher_low)")
-    teacher_topk: int = arg(32, "[ours] K of --teacher_loss topk: the teacher's most likely tokens kept per position "
-                            "(8 bytes each a response token: an int32 id and an fp32 log-prob)")
+    teacher_topk: int = arg(32, "[ours] K of --teacher_loss topk: the most likely tokens kept per position (8 bytes "
+                            "each a response token, an int32 id and an fp32 log-prob; 2K under union)")
+    teacher_support: str = arg("teacher", "[ours] --teacher_loss topk: whose top-K is the support, student (π_old's, "
+                               "as SDPO and TRL) | teacher (as NeMo-RL) | union (both, as verl's distillation); the "
+                               "teacher's mass outside it is exact (METHOD.md §2.8.1)")
+    teacher_norm: str = arg("all", "[ours] what the teacher term's token mean divides by: all (every student token of "
+                            "the mini-batch, as SDAR) | taught (the tokens of the turns with a teacher, as SDPO: with "
+                            "half the turns taught, α weighs twice as much)")
     teacher_clip: float = arg(2.0, "[ours] --teacher_loss signed: the per-token advantage is clipped to ± this (nats)")
     teacher_low: float = arg(0.2, "[ours] --teacher_loss negative: τ, the π_old probability below which a sampled "
                              "token gets advantage −1")
@@ -345,17 +352,19 @@ FULL_VOCAB_MAX = 4096
 
 
 def check_teacher_support(a: Args, vocab: int):
-    """Refuse a teacher support the model's vocabulary cannot give: K above the vocabulary, or the whole
-    vocabulary (full) above FULL_VOCAB_MAX. Called once the model is loaded (build_policy)."""
+    """Refuse a teacher support the model's vocabulary cannot give (the estimator's row of
+    rsipo.TEACHER_ESTIMATORS): K above the vocabulary, or the whole vocabulary above FULL_VOCAB_MAX. Called once the
+    model is loaded (build_policy)."""
+    support = TEACHER_ESTIMATORS[a.teacher_loss].support
     if not a.uses_skills:
         return
-    if a.teacher_loss == "topk" and a.teacher_topk > vocab:
+    if support == "topk" and a.teacher_topk > vocab:
         raise SystemExit(f"error: --teacher_topk {a.teacher_topk} is more than the model's vocabulary ({vocab} "
                          "tokens): use a smaller K, or --teacher_loss full")
-    if a.teacher_loss == "full" and vocab > FULL_VOCAB_MAX:
-        raise SystemExit(f"error: --teacher_loss full keeps the teacher's whole distribution, {vocab} log-probs "
-                         f"({4 * vocab / 1024:.0f} KiB) per response token, above the bound of {FULL_VOCAB_MAX} "
-                         "tokens: use --teacher_loss topk (--teacher_topk 32: 256 bytes a token)")
+    if support == "vocab" and vocab > FULL_VOCAB_MAX:
+        raise SystemExit(f"error: --teacher_loss {a.teacher_loss} keeps the teacher's whole distribution, {vocab} "
+                         f"log-probs ({4 * vocab / 1024:.0f} KiB) per response token, above the bound of "
+                         f"{FULL_VOCAB_MAX} tokens: use --teacher_loss topk (--teacher_topk 32: 260 bytes a token)")
 
 
 # What Args.validate checks flag by flag: (flags, test, what the test asks), and each flag's options.
@@ -375,7 +384,8 @@ RULES = [
 ]
 CHOICES = {"algo": ("grpo", "gigpo", "opsd", "rsipo"), "trust": ("eb", "raw", "one"), "env": ("alfworld", "search"),
            "replay_control": ("fresh", "split", "group"), "skill_groups": ("won", "all"),
-           "teacher_skill": ("own", "generic", "wrong", "oracle", "wrong_place"), "teacher_loss": TEACHER_LOSSES,
+           "teacher_skill": ("own", "generic", "wrong", "oracle", "wrong_place"), "teacher_loss": TEACHER_ESTIMATORS,
+           "teacher_support": SUPPORT_SIDES, "teacher_norm": ("all", "taught"),
            "teacher_weights": ("live", "frozen", "ema", "refresh"), "adv_norm": ("mean_std", "mean"),
            "dtype": ("auto", "float32", "bfloat16"), "engine": ("hf", "vllm"), "vllm_sleep_level": (1, 2),
            "sft_hold_out_mode": tiny.HOLD_OUT_MODES, "preset": ("heldout", "none")}

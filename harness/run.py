@@ -60,6 +60,7 @@ class Run:
     rows: list[dict] = field(default_factory=list)    # metrics.jsonl
     summary: dict = field(default_factory=dict)
     start: int = 0                        # the first RL step to run (a resumed run's checkpoint step)
+    stepped: bool = False                 # an RL step ran in this process (final/ is rewritten only then)
     env_steps: int = 0                    # env steps spent so far, all ranks (rollouts and replays)
     skill_max_tokens: int = 0             # the skill-writing budget in tokens (build_policy)
     skill_reserve: int = 0                # prompt tokens kept free for the teacher's skill line
@@ -75,9 +76,9 @@ class Run:
     def stop_now(self) -> bool:           # this rank has seen SIGTERM: cut the current rollout or evaluation short
         return self.preempt is not None and self.preempt.seen
 
-    def logprobs(self, model, pairs, support: int = 0, temperature: float = 1.0):   # per-sample response
-        return score_tokens(model, pairs, self.tok.pad_token_id, self.device,     # log-probs under `model`, no grad
-                            self.args.micro_batch, self.args.micro_tokens, support, temperature)
+    def logprobs(self, model, pairs, temperature: float = 1.0, **keep):   # per-sample response log-probs under
+        return score_tokens(model, pairs, self.tok.pad_token_id, self.device,     # `model`, no grad (`keep`: top,
+                            self.args.micro_batch, self.args.micro_tokens, temperature, **keep)   # support)
 
     def rows_trained(self) -> bool:       # whether any RL step ran (in this process or before a resume)
         return any("train/success" in r for r in self.rows)
@@ -89,8 +90,10 @@ class Run:
 class Timer:
     """Wall time of named sections: `with timer("update"): ...`; `timer.times` → {"time/update": s, ...}.
     On GPU also each section's peak of the memory torch allocated, in GiB: {"mem/update": ...} (the
-    largest over repeats of a section), and the peak the caching allocator reserved over all of them
-    (`mem/reserved`: what nvidia-smi sees of the trainer)."""
+    largest over repeats of a section), the peak torch's caching allocator reserved over all of them
+    (`mem/reserved`), and the device's memory in use at the end of each section as the driver reports it
+    (`mem/device_used`, the largest; what nvidia-smi shows, vLLM's pool and NCCL's buffers included, which torch's
+    allocator does not see or sees only in part: vLLM measures itself this way)."""
 
     def __init__(self):
         self.t0, self.times = time.time(), {}
@@ -109,7 +112,25 @@ class Timer:
             self.times[f"mem/{name}"] = max(self.times.get(f"mem/{name}", 0.0), gib)
             reserved = torch.cuda.max_memory_reserved() / 2**30
             self.times["mem/reserved"] = max(self.times.get("mem/reserved", 0.0), reserved)
+            free, total = torch.cuda.mem_get_info()
+            self.times["mem/device_used"] = max(self.times.get("mem/device_used", 0.0), (total - free) / 2**30)
         self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.time() - t
+
+
+class Sections:
+    """One RL step's sections (`train.rl_step`): `with section("replay"): ...` times the section (`Timer`: its
+    wall time, and its memory on a GPU) and then, where the step may still be abandoned, asks every rank whether
+    one has seen SIGTERM (`Preemption.check`, a collective; `check=False` for the update and what follows it)."""
+
+    def __init__(self, preempt: Optional["Preemption"]):
+        self.timer, self.preempt = Timer(), preempt
+
+    @contextmanager
+    def __call__(self, name: str, check: bool = True):
+        with self.timer(name):
+            yield
+        if check and self.preempt is not None:
+            self.preempt.check()
 
 
 class Preempted(Exception):
@@ -241,8 +262,9 @@ def grace_needed(row: dict, save_s: float) -> float:
 
 def watch_step(run: "Run", row: dict):
     """[ours] After each step: the grace a SIGTERM needs (`grace/needed_s`, the largest so far, said once when it
-    first grows past what torchrun gives by default) and, on a GPU, the peak memory against the first 5 steps'
-    (a warning each time it passes 110% of them: memory that creeps up ends in an OOM tens of steps later)."""
+    first grows past what torchrun gives by default) and, on a GPU, the device memory in use (`mem/device_used`)
+    against the first 5 steps' (a warning each time it passes 110% of them: memory that creeps up ends in an OOM
+    tens of steps later)."""
     s = run.summary
     need = grace_needed(row, s.get("time/last_save", 0.0))
     if need > s.get("grace/needed_s", 0.0):
@@ -251,13 +273,13 @@ def watch_step(run: "Run", row: dict):
                    "then a save): under torchrun give --shutdown_timeout above that, and the scheduler's signal "
                    "more lead (recipes/README.md, the grace period)")
         s["grace/needed_s"] = need
-    if "mem/reserved" in row:
+    if "mem/device_used" in row:          # the driver's figure: vLLM's pool and NCCL's buffers included
         first = s.setdefault("mem/first_steps", [])
         if len(first) < 5:
-            first.append(row["mem/reserved"])
-        elif row["mem/reserved"] > 1.1 * max(first):
-            print0(f"warning: peak GPU memory {row['mem/reserved']:.1f} GiB at step {row['step']} is more than 10% "
-                   f"above the first 5 steps' {max(first):.1f} GiB")
+            first.append(row["mem/device_used"])
+        elif row["mem/device_used"] > 1.1 * max(first):
+            print0(f"warning: GPU memory in use {row['mem/device_used']:.1f} GiB at step {row['step']} is more than "
+                   f"10% above the first 5 steps' {max(first):.1f} GiB")
             s["mem/growth_warnings"] = s.get("mem/growth_warnings", 0) + 1
 
 
@@ -389,21 +411,42 @@ def checkpoint_bytes(n_params: int, args) -> int:
     return n_params * (12 + 4 * (args.teacher_weights in ("ema", "refresh")))
 
 
+def disk_need(n_params: int, args) -> dict[str, int]:
+    """[ours] What a run keeps in --out_dir at its peak, in bytes: two checkpoints (the newest and its fallback, from
+    the second save on), final/ and, when the run trains its own warm start, warm_start/ (fp32 Hugging Face copies,
+    4 bytes a parameter; a warm start alone, --steps 0, writes warm_start/ and links final/ to it)."""
+    weights = 4 * n_params
+    sft = bool(args.sft_steps and (args.sft_data or args.model == "tiny"))   # as train.warm_start decides
+    if not args.steps:
+        return {"warm_start/": weights} if sft else {}
+    need = {"two checkpoints": 2 * checkpoint_bytes(n_params, args) if args.save_every else 0, "final/": weights}
+    return {**need, "warm_start/": weights} if sft else need
+
+
+QUOTA_HINT = ("free space as the file system reports it; a user or group quota (Lustre, GPFS, NFS) is not seen: "
+              "check it yourself (Lustre: lfs quota -u $USER <mount>)")
+
+
 def check_disk(run: "Run"):
-    """Refuse to start a run whose --out_dir has less free space than its next checkpoint needs (rank 0 looks, every
-    rank stops): a full disk found at the first save loses the steps before it. --check_disk false skips this."""
+    """Refuse to start a run whose --out_dir has less free space than the run will keep there at its peak
+    (`disk_need`; rank 0 looks, every rank stops): a full disk found at a save loses the steps before it. Quotas
+    are not seen (`QUOTA_HINT`). --check_disk false skips this."""
     a = run.args
-    if not a.check_disk or not a.save_every:
+    if not a.check_disk:
         return
     n = sum(p.numel() for p in run.model.parameters())        # a DTensor counts its whole parameter
-    need = checkpoint_bytes(n, a)
+    parts = disk_need(n, a)
+    need = sum(parts.values())
     free = shutil.disk_usage(run.run_dir).free if D.RANK == 0 else 0
     why = None
     if D.RANK == 0 and free < need:
-        why = (f"error: --out_dir {a.out_dir} has {free / 1e9:.2f} GB free, and a checkpoint of this run needs "
-               f"{need / 1e9:.2f} GB ({n / 1e9:.3f} B parameters × {need // n} bytes: fp32 weights, AdamW's two "
-               "moments" + (", the teacher's weights" if need // n > 12 else "") + "): point --out_dir at scratch "
-               "space (recipes/README.md: the disk budget), or --check_disk false")
+        what = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in parts.items() if v)
+        why = (f"error: --out_dir {a.out_dir} has {free / 1e9:.2f} GB free, and this run needs {need / 1e9:.2f} GB "
+               f"there at its peak ({what}; {n / 1e9:.3f} B parameters, a checkpoint "
+               f"{checkpoint_bytes(n, a) // n} bytes each: fp32 weights, AdamW's two moments"
+               + (", the teacher's weights" if checkpoint_bytes(n, a) // n > 12 else "") + "): point --out_dir at "
+               "scratch space (recipes/README.md: the disk budget), or --check_disk false. The figure is the "
+               + QUOTA_HINT)
     why = all_gather_obj(why)[0]
     if why:
         raise SystemExit(why)
@@ -478,16 +521,26 @@ def _chunks(xs: list, n: int):
 
 
 def save_policy(run: "Run", path: Path):
-    """A Hugging Face checkpoint of the policy: the only full-state copy (rank 0 writes; a collective)."""
+    """A Hugging Face checkpoint of the policy: the only full-state copy (rank 0 writes; a collective). Written
+    to <path>.tmp and renamed to `path` (a link there, e.g. final/ → warm_start/, is replaced, not written through),
+    so a crash leaves a complete copy or none."""
+    tmp = path.with_name(path.name + ".tmp")
+    if D.RANK == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     if run.rollout_model is not None:
         if D.RANK == 0:
-            run.rollout_model.save_pretrained(path)
+            run.rollout_model.save_pretrained(tmp)
     else:
         sd = full_state(run.model, rank0_only=True)
         if D.RANK == 0:
-            run.model.save_pretrained(path, state_dict=sd)
+            run.model.save_pretrained(tmp, state_dict=sd)
     if D.RANK == 0:
-        run.tok.save_pretrained(path)
+        run.tok.save_pretrained(tmp)
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
     D.barrier()
 
 
@@ -512,7 +565,9 @@ def finish(run: "Run"):
         if D.RANK == 0 and not final.exists():          # written once (7B: 30 GB), linked under the second name
             os.symlink("warm_start", final)
         D.barrier()
-    else:
+    elif not run.rows_trained():                        # an evaluation of --model: no weight changed
+        print0(f"final/ not written: no step changed the weights of --model {a.model}")
+    elif run.stepped or not (final / "config.json").exists():   # not again for a resume that only evaluates
         with run.phases("save_policy"):
             save_policy(run, final)
     s.update({f"phase/{k}": v for k, v in run.phases.times.items()})   # this process's sft, eval, save: time, memory
@@ -584,7 +639,10 @@ def resume(run: "Run") -> bool:
     if ex.get("bank"):
         run.bank = SkillBank.from_dict(ex["bank"])
     if ex.get("skill_rng"):
-        run.skill_rng.setstate(ex["skill_rng"][D.RANK] if D.RANK < len(ex["skill_rng"]) else ex["skill_rng"][0])
+        if D.RANK < len(ex["skill_rng"]):
+            run.skill_rng.setstate(ex["skill_rng"][D.RANK])
+        else:                             # a rank the saved run did not have draws a stream of its own
+            run.skill_rng = random.Random(f"{a.seed}-skills-{run.start}-{D.RANK}")
     path = run.run_dir / "metrics.jsonl"
     rows = [r for _, r in jsonl_lines(path) if isinstance(r, dict)] if path.exists() else []
     run.rows = [r for r in rows if r.get("step", 0) <= run.start]

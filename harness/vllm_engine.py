@@ -6,6 +6,7 @@ Test: tests/test_vllm_engine.py (its interface on CPU; the real vLLM code throug
 scripts/vllm_cpu_smoke.py)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -112,7 +113,8 @@ class VLLMEngine:
 
     def _sampling_params(self, max_tokens: int, temperature: float, greedy: bool, stop: bool,
                          seed: Optional[int] = None):
-        kw = dict(n=1, max_tokens=max_tokens, logprobs=0, temperature=0.0 if greedy else temperature,
+        # greedy: the two likeliest tokens of each position too, for the near-tie margin (`Generation.min_margin`)
+        kw = dict(n=1, max_tokens=max_tokens, logprobs=2 if greedy else 0, temperature=0.0 if greedy else temperature,
                   top_p=1.0 if greedy else self.top_p, top_k=0, min_p=0.0, repetition_penalty=1.0,
                   presence_penalty=0.0, frequency_penalty=0.0, seed=seed, skip_special_tokens=False,
                   include_stop_str_in_output=True)   # every sampling knob explicit: only temperature / top-p act
@@ -142,9 +144,9 @@ class VLLMEngine:
                   for x, s in zip(ids, seeds)]
         outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
         free = not greedy and self.top_p >= 1.0
-        return [self._generation(o.outputs[0], x, free, stop) for o, x in zip(outs, ids)]
+        return [self._generation(o.outputs[0], x, free, stop, greedy) for o, x in zip(outs, ids)]
 
-    def _generation(self, c, prompt_ids: list[int], free: bool, stop: bool) -> Generation:
+    def _generation(self, c, prompt_ids: list[int], free: bool, stop: bool, greedy: bool = False) -> Generation:
         toks = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(toks):
             raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-prob entries "
@@ -159,7 +161,12 @@ class VLLMEngine:
         if stop:   # up to the token that completes the first stop text, as HFEngine
             n = response_end(toks, decode, (), (), self.stop_texts)
             toks, lps = toks[:n], lps[:n]
-        return Generation(decode(toks), toks, lps, prompt_ids, free)
+        margin = math.inf                 # greedy: the smallest gap between the two likeliest tokens of a position
+        for pos in c.logprobs[:len(toks)] if greedy else []:   # (vLLM's greedy log-probs are the unscaled
+            top = sorted((float(x.logprob) for x in pos.values()), reverse=True)   # log-softmax, as HFEngine's)
+            if len(top) > 1:
+                margin = min(margin, top[0] - top[1])
+        return Generation(decode(toks), toks, lps, prompt_ids, free, margin)
 
     def sleep(self):
         """Free vLLM's GPU memory for the update: level 2 discards the weights and the KV cache, level 1

@@ -206,6 +206,16 @@ def seed_rank(seed: int):
     torch.manual_seed(seed + RANK)
 
 
+def fresh_streams(key: str):
+    """Python's, NumPy's, torch's (and CUDA's) generators seeded from `key`: a rank that a checkpoint holds no
+    states for (a resume on more ranks) draws its own numbers; copying another rank's would make both sample the
+    same episodes (and under vLLM, which draws its request seeds from NumPy, the same first turns)."""
+    seed = random.Random(key).getrandbits(32)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)               # CUDA's generators too, where there are any
+
+
 def local_world(environ=os.environ) -> int:
     """The ranks on this host (torchrun's LOCAL_WORLD_SIZE; without torchrun, the world): the ones that share
     its cores."""
@@ -264,6 +274,26 @@ def load_sharded(path: str, dtype: torch.dtype, device, param_dtype: Optional[to
     copy_buffers(model, all_gather_obj(dict(full.named_buffers()) if full is not None else None)[0])
     del full
     return model
+
+
+def sharded_like(model, dtype: torch.dtype, device, param_dtype: Optional[torch.dtype] = None):
+    """An FSDP2 model of `model`'s architecture, sharded as `shard` shards it, its parameters allocated in `dtype`
+    on `device` and not filled (fill them: `ema_params(out, model, 0.0)`, or a checkpoint's load), its buffers
+    `model`'s. No file is read and no rank holds the whole model (an EMA teacher at 7B: 30 GB that rank 0 read from
+    disk and broadcast, only to overwrite them)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        out = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    out.generation_config = model.generation_config
+    out = shard(out, param_dtype)
+    out.to_empty(device=device)
+    copy_buffers(out, {_plain(n): b for n, b in model.named_buffers()})
+    return out
+
+
+def _plain(name: str) -> str:
+    """A parameter's or buffer's name without activation checkpointing's wrapper."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def unsharded_copy(model, dtype: torch.dtype, device):
@@ -326,11 +356,18 @@ def ema_params(dst, src, decay: float) -> int:
     """dst ← decay·dst + (1 − decay)·src, parameter by parameter; decay 0 copies. src may be FSDP2-sharded: a dst
     sharded the same way (the same `shard` on the same ranks) is updated shard by shard on each rank with no
     communication; a plain dst takes one gathered tensor at a time (a collective: every rank calls it). dst's
-    dtype is kept (an average in fp32 keeps the updates lr 1e-6 makes, which bf16 would round away)."""
-    into = {name.replace("_checkpoint_wrapped_module.", ""): q for name, q in dst.named_parameters()}
+    dtype is kept (an average in fp32 keeps the updates lr 1e-6 makes, which bf16 would round away).
+    An FSDP2 model whose parameters are gathered (its root after a no-grad forward that did not reshard) is refused:
+    the average would go into the gathered compute-dtype copies and be lost at the next reshard."""
+    from torch.distributed.fsdp import FSDPModule
+    for which, m in (("dst", dst), ("src", src)):
+        if isinstance(m, FSDPModule) and not all(hasattr(p, "to_local") for p in m.parameters()):
+            raise RuntimeError(f"ema_params: {which} is an FSDP2 model whose parameters are gathered (unsharded): "
+                               "call its reshard() first, or the average is written into copies FSDP2 drops")
+    into = {_plain(name): q for name, q in dst.named_parameters()}
     n = 0
     for name, p in src.named_parameters():
-        q = into[name.replace("_checkpoint_wrapped_module.", "")]
+        q = into[_plain(name)]
         if hasattr(q, "to_local"):        # both sharded alike: this rank's shards
             q, t = q.to_local(), p.to_local()
         else:
@@ -357,14 +394,24 @@ def full_state(model, rank0_only: bool = False) -> dict:
 
 def param_checksum(model) -> list[float]:
     """[Σ w, Σ w²] over every parameter, in float64, over all ranks' shards: what a checkpoint's weights
-    must give again once loaded, on any world size (up to the order of the sums)."""
+    must give again once loaded, on any world size (up to the order of the sums). A collective under FSDP2."""
+    return checksum_total(*local_checksum(model))
+
+
+def local_checksum(model) -> tuple[list[float], bool]:
+    """This rank's part of `param_checksum` (no collective), and whether the model is sharded."""
     s = torch.zeros(2, dtype=torch.float64)
     sharded = False
     for p in model.parameters():
         sharded |= hasattr(p, "to_local")
         t = (p.to_local() if hasattr(p, "to_local") else p).detach().double()
         s += torch.stack([t.sum(), (t * t).sum()]).cpu()
-    return all_reduce(s.tolist()).tolist() if sharded else s.tolist()
+    return s.tolist(), sharded
+
+
+def checksum_total(local: list[float], sharded: bool) -> list[float]:
+    """The ranks' `local_checksum` parts summed (a collective when sharded)."""
+    return all_reduce(local).tolist() if sharded else list(local)
 
 
 def clip_grad_norm(model, max_norm: float) -> float:
@@ -608,9 +655,7 @@ def load_checkpoint(run_dir: Path, model, opt, models: Optional[dict] = None) ->
                     set_model_state_dict(model, state["model"])
                 for name, m in (models or {}).items():
                     set_model_state_dict(m, state[name])
-                got, want = param_checksum(model), st.get("checksum")
-                if want is not None and not np.allclose(got, want, rtol=1e-9, atol=0.0):
-                    raise ValueError(f"the loaded weights give the checksum {got}, the saved ones gave {want}")
+                local = local_checksum(model)   # this rank's sums; the collective comes once all ranks agree
                 mine = None
             except (Exception, dcp.CheckpointException) as e:   # the latter is a BaseException: each rank's error
                 why = ({r: x for r, (x, _) in e.failures.items()} if isinstance(e, dcp.CheckpointException)
@@ -619,13 +664,20 @@ def load_checkpoint(run_dir: Path, model, opt, models: Optional[dict] = None) ->
                                  for r, x in sorted(why.items()))
             failed = [x for x in all_gather_obj(mine) if x]   # the ranks agree: loaded everywhere, or nowhere
             err = f"{d}: does not load: " + "; ".join(dict.fromkeys(failed)) if failed else None
+        if err is None and st.get("checksum") is not None:   # every rank loaded: the same verdict on every rank
+            got, want = checksum_total(*local), st["checksum"]
+            if not np.allclose(got, want, rtol=1e-9, atol=0.0):
+                err = f"{d}: does not load: the loaded weights give the checksum {got}, the saved ones gave {want}"
         if err is None:
-            r = st["rng"][RANK] if RANK < len(st["rng"]) else st["rng"][0]
-            random.setstate(r["python"])
-            np.random.set_state(r["numpy"])
-            torch.set_rng_state(r["torch"])
-            if r.get("cuda") is not None and torch.cuda.is_available():   # the HF engine samples from it on a GPU
-                torch.cuda.set_rng_state(r["cuda"])
+            if RANK < len(st["rng"]):
+                r = st["rng"][RANK]
+                random.setstate(r["python"])
+                np.random.set_state(r["numpy"])
+                torch.set_rng_state(r["torch"])
+                if r.get("cuda") is not None and torch.cuda.is_available():   # the HF engine samples from it
+                    torch.cuda.set_rng_state(r["cuda"])
+            else:                         # a rank the saved run did not have: streams of its own, not rank 0's
+                fresh_streams(f"resume-{st['step']}-{RANK}")
             return {**st, "path": d}
         print0(f"checkpoint damaged, {err}; trying the previous one")
         bad.append(err)

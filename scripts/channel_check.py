@@ -14,9 +14,13 @@ The arms (train.py flags on top of the common ones; `--arms` picks some):
   signed_live    Eq. (11b), live teacher                 signed_ema   Eq. (11b), an EMA teacher
   topk_live      Eq. (11c), K 32, live teacher           topk_frozen  Eq. (11c), the frozen warm start
   topk_ema       Eq. (11c), an EMA teacher (decay 0.9)   topk_refresh Eq. (11c), a snapshot every 4 steps
+                 (these four on the teacher's top-K: --teacher_support teacher)
+  topk_ema_student  Eq. (11c), EMA teacher, on the student's top-K (π_old's; SDPO, TRL)
+  topk_ema_union    Eq. (11c), EMA teacher, on both sides' top-K (verl's distillation)
   full_live      Eq. (11d), live teacher                 full_frozen  Eq. (11d), the frozen warm start
   negative       Eq. (11e): no teacher; advantage −1 on the sampled tokens π_old gave less than 0.2
-  <BEST>_wrong   the BEST arm with the wrong-procedure skill (its right − wrong difference is paired by seed)
+  <arm>_wrong    any arm with the wrong-procedure skill (its right − wrong difference is paired by seed; BEST's is
+                 the JSON's channel_right_minus_wrong)
 --quick runs BEST and gated_beta0 on 2 seeds with 3 episodes per held-out game (train.py's 5 elsewhere), under 30
 minutes on 2 cores from a clean checkout, the warm start included. One JSON: in_prompt_gain, in_prompt_se, in_prompt_wrong_gain, in_prompt_wrong_se, and per arm gain, se,
 seeds (with each seed's start, end and gain, its eval curve, the means of its teacher diagnostics), transfer (gain /
@@ -47,15 +51,18 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from compare import load_run  # noqa: E402
 
 LIVE, FROZEN, EMA, REFRESH = (["--teacher_weights", w] for w in ("live", "frozen", "ema", "refresh"))
+TOPK = ["--teacher_loss", "topk", "--teacher_support", "teacher"]
 ARMS = {
     "gated_live": ["--teacher_loss", "gated", *LIVE],
     "gated_beta0": ["--teacher_loss", "gated", "--beta", "0", *LIVE],
     "signed_live": ["--teacher_loss", "signed", *LIVE],
     "signed_ema": ["--teacher_loss", "signed", *EMA],
-    "topk_live": ["--teacher_loss", "topk", *LIVE],
-    "topk_frozen": ["--teacher_loss", "topk", *FROZEN],
-    "topk_ema": ["--teacher_loss", "topk", *EMA],
-    "topk_refresh": ["--teacher_loss", "topk", *REFRESH],
+    "topk_live": [*TOPK, *LIVE],
+    "topk_frozen": [*TOPK, *FROZEN],
+    "topk_ema": [*TOPK, *EMA],
+    "topk_refresh": [*TOPK, *REFRESH],
+    "topk_ema_student": ["--teacher_loss", "topk", "--teacher_support", "student", *EMA],
+    "topk_ema_union": ["--teacher_loss", "topk", "--teacher_support", "union", *EMA],
     "full_live": ["--teacher_loss", "full", *LIVE],
     "full_frozen": ["--teacher_loss", "full", *FROZEN],
     "negative": ["--teacher_loss", "negative", *LIVE],
@@ -149,8 +156,10 @@ def in_prompt(a, ws: Path) -> dict:
 
 
 def arm_flags(a, arm: str) -> list[str]:
-    """An arm's train.py flags on top of COMMON: its estimator and teacher weights, and the teacher's skill."""
-    return ARMS[arm] + skill_flags(a) if arm != WRONG else ARMS[BEST] + skill_flags(a, wrong=True)
+    """An arm's train.py flags on top of COMMON: its estimator and teacher weights, and the teacher's skill (an arm
+    named <arm>_wrong: that arm's estimator and weights with the control's skill)."""
+    wrong = arm.endswith("_wrong")
+    return ARMS[arm.removesuffix("_wrong")] + skill_flags(a, wrong=wrong)
 
 
 def run_arm(a, ws: Path, arm: str, seed: int) -> dict:
@@ -182,7 +191,8 @@ def main(argv=None):
                    "the object lies; another receptacle)")
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, seeds 0 and 1, 3 episodes a "
                    "held-out game")
-    p.add_argument("--arms", default="all", help=f"comma list of {', '.join([*ARMS, WRONG])}, or all")
+    p.add_argument("--arms", default="all", help=f"comma list of {', '.join(ARMS)} (each also as <arm>_wrong), "
+                   "or all")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--env_steps", type=int, default=0, help="env-step budget a run (0 = the setting's: clean 8,000, "
                    "testbed 12,000)")
@@ -195,9 +205,10 @@ def main(argv=None):
     a.runs = a.runs or str(Path(a.out).resolve().parent / "channel_runs")
     a.env_steps = a.env_steps or SETTINGS[a.setting]["env_steps"]
     arms = QUICK if a.quick else ([*ARMS, WRONG] if a.arms == "all" else a.arms.split(","))
-    unknown = [x for x in arms if x not in ARMS and x != WRONG]
+    unknown = [x for x in arms if x.removesuffix("_wrong") not in ARMS]
     if unknown:
-        raise SystemExit(f"error: --arms {','.join(unknown)}: unknown; the arms are {', '.join([*ARMS, WRONG])}")
+        raise SystemExit(f"error: --arms {','.join(unknown)}: unknown; the arms are {', '.join(ARMS)}, each also as "
+                         "<arm>_wrong")
     seeds = [0, 1] if a.quick else [int(s) for s in a.seeds.split(",")]
     ws = warm_start(a)
     out = {"setting": a.setting, "skills": a.skills, "warm_start": str(ws), "env_steps": a.env_steps, "seeds": seeds,
@@ -215,10 +226,12 @@ def main(argv=None):
         out["arms"][arm] = {"flags": arm_flags(a, arm), "gain": gain, "se": se,
                             "transfer": gain / out["in_prompt_gain"] if out["in_prompt_gain"] else float("nan"),
                             "seeds": runs}
-    if BEST in out["arms"] and WRONG in out["arms"]:
-        d = [r["gain"] - w["gain"] for r, w in zip(out["arms"][BEST]["seeds"], out["arms"][WRONG]["seeds"])]
+    for arm in [x for x in arms if f"{x}_wrong" in out["arms"]]:
+        d = [r["gain"] - w["gain"] for r, w in zip(out["arms"][arm]["seeds"], out["arms"][f"{arm}_wrong"]["seeds"])]
         diff, se = mean_se(d)
-        out["channel_right_minus_wrong"] = {"arm": BEST, "per_seed": d, "diff": diff, "se": se}
+        out["arms"][arm]["right_minus_wrong"] = {"per_seed": d, "diff": diff, "se": se}
+        if arm == BEST:
+            out["channel_right_minus_wrong"] = {"arm": BEST, "per_seed": d, "diff": diff, "se": se}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(report(out))
@@ -237,10 +250,11 @@ def report(out: dict) -> str:
     for arm, r in out["arms"].items():
         per = ", ".join(f"{100 * s['start']:.1f}→{100 * s['end']:.1f}" for s in r["seeds"])
         lines.append(f"{arm:16s} {100 * r['gain']:+10.1f} ± {100 * r['se']:4.1f}      {100 * r['transfer']:7.0f}%  {per}")
-    if "channel_right_minus_wrong" in out:
-        c = out["channel_right_minus_wrong"]
-        lines.append(f"through the channel ({c['arm']}), right − wrong paired by seed: {100 * c['diff']:+.1f} ± "
-                     f"{100 * c['se']:.1f}")
+    for arm, r in out["arms"].items():
+        if "right_minus_wrong" in r:
+            c = r["right_minus_wrong"]
+            lines.append(f"through the channel ({arm}), right − wrong paired by seed: {100 * c['diff']:+.1f} ± "
+                         f"{100 * c['se']:.1f}")
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@
     python scripts/gpu_check.py --size 1.5b --engine vllm --nproc 8 --out ...    # larger, vLLM, 8 GPUs
     python scripts/gpu_check.py --size tiny --out /tmp/c.json                    # the same on CPU (a test)
     python scripts/gpu_check.py --quick --out results/gpu_check.json             # fits one ten-minute GPU call
+    python scripts/gpu_check.py --quick --teacher --out results/gpu_check_teacher.json   # the teacher as measured best
 
 What it runs, with no downloads:
 1. Model: a Qwen2 with the shape of `--size` (Qwen2.5-0.5B / 1.5B / 3B / 7B, or `tiny` for CPU) and random
@@ -28,9 +29,14 @@ logits, ×3 with the backward, no recomputation of activation checkpointing), ov
 update's seconds, over one GPU's dense bf16 peak (`--peak_tflops`, or from the device name: H100 / H200 SXM
 989 TFLOP/s).
 
+`--teacher` runs both with the teacher term the channel check measured best (`TEACHER`: the top-K reverse KL
+to an EMA teacher, sampled at T 0.7): the sharded EMA weights, their checkpoint and resume, the top-K support's
+memory, and the sampler–trainer agreement at a temperature other than 1.
+
 Pass: both runs exit 0, run B resumed at run A's last step, every step of A and B is in metrics.jsonl,
 both evaluations ran, no optimizer step was skipped for a non-finite gradient, every loss is finite, and
-the sampler–trainer gap's mean is at most `--tol_gap` nats. Exit 1 otherwise; the JSON at `--out` says
+the sampler–trainer gap's mean is at most `--tol_gap` nats (with `--teacher`: and every step computed the
+top-K term). Exit 1 otherwise; the JSON at `--out` says
 which check failed. The same script runs on CPU (`--size tiny`: gloo, fp32, a few tokens) in
 tests/test_gpu_check.py; its figures there mean nothing.
 
@@ -66,6 +72,9 @@ SIZES = {"tiny": (64, 2, 2, 1, 128, True),
 PHASES = ("rollout", "skills", "replay", "score", "update", "sync")
 
 
+# --teacher: train.py's teacher flags as the channel check measured best, and a temperature other than 1
+TEACHER = ["--teacher_weights", "ema", "--teacher_loss", "topk", "--temperature", "0.7"]
+
 # --quick: SFT, an evaluation, 2 RSIPO steps with a save each, a resume and 1 more step, the final evaluations
 QUICK = {"sft_steps": 20, "steps_a": 2, "steps_b": 3, "tasks": 4, "group": 4, "eval_games": 8, "max_new_tokens": 48}
 
@@ -94,6 +103,8 @@ def parse(argv=None):
                    "mismatched copy is ~0.1)")
     p.add_argument("--quick", action="store_true", help="a check that fits one short GPU call (~6 min at 0.5B): 20 SFT "
                    "steps, 2 RSIPO steps and a save, a resume and 1 more step, 8-game evaluations")
+    p.add_argument("--teacher", action="store_true", help=f"train.py {' '.join(TEACHER)}: the EMA teacher (sharded "
+                   "on GPUs), its checkpoint and resume, the top-K term's memory, T ≠ 1")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="peak bf16 TFLOP/s (0 = from the GPU name)")
     p.add_argument("--seed", type=int, default=0, help="seed of the built model and of the runs")
     p.add_argument("--timeout", type=float, default=3600, help="seconds each run may take")
@@ -108,7 +119,7 @@ def parse(argv=None):
         for k, v in QUICK.items():
             if f"--{k}" not in own:
                 setattr(args, k, v)
-    args.train_args = extra
+    args.train_args = (TEACHER if args.teacher else []) + extra   # the flags after -- still win
     return args
 
 
@@ -260,10 +271,11 @@ def step_figures(row: dict, blocks: int, head: int, cfg: dict, peak: float, rank
            "update_tokens": tok, "update_tokens_per_s": tok / ranks / t_up,
            "update_mfu": flops / ranks / t_up / peak,
            "seconds": {k: row[f"time/{k}"] for k in PHASES + ("step",) if f"time/{k}" in row},
-           "mem_gib": {k: row[f"mem/{k}"] for k in PHASES + ("reserved",) if f"mem/{k}" in row}}
+           "mem_gib": {k: row[f"mem/{k}"] for k in PHASES + ("reserved", "device_used") if f"mem/{k}" in row}}
     for k in ("rollout/logp_diff_mean", "rollout/logp_diff_max", "update/first_logp_gap_mean",
               "update/first_logp_gap_max", "skill/valid_frac", "trust/frac_teacher",
-              "train/success", "train/turns_updated", "loss", "skill_loss", "kl/k3", "opsd/loss", "update/grad_norm", "teacher/prompt_overflow"):
+              "train/success", "train/turns_updated", "loss", "skill_loss", "kl/k3", "opsd/loss", "opsd/kl",
+              "opsd/tail_mass", "update/grad_norm", "teacher/prompt_overflow"):
         if k in row:
             out[k] = row[k]
     return out
@@ -280,7 +292,8 @@ def main(argv=None) -> int:
     shutil.rmtree(run_dir, ignore_errors=True)   # a fresh run A, then B resumes it
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                 "size": args.size, "engine": args.engine, "ranks": args.nproc, "model": model, "checks": {}}
+                 "size": args.size, "engine": args.engine, "ranks": args.nproc, "model": model,
+                 "train_args": args.train_args, "checks": {}}
     try:
         import transformers
         res["transformers"] = transformers.__version__
@@ -319,6 +332,8 @@ def main(argv=None) -> int:
     # π_old's up to the compute dtype's noise (a copy whose weights or buffers differ shows here)
     first = [r["update/first_logp_gap_mean"] for r in steps if "update/first_logp_gap_mean" in r]
     c["policy_is_pi_old_ok"] = bool(first) and max(first) <= args.tol_gap
+    if args.teacher:                      # the top-K reverse KL ran in every step (its metric opsd/kl)
+        c["teacher_term_every_step"] = bool(steps) and all("opsd/kl" in r for r in steps)
     res["pass"] = all(c.values())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

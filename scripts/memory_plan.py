@@ -7,6 +7,8 @@ Qwen2.5-1.5B / 3B / 7B on 8 × 80 GB GPUs; and its check against peaks measured 
 The terms (bytes; P parameters, W ranks, c the compute dtype's bytes, 2 for bf16 and 4 for fp32):
 * **Trainer state**, FSDP2-sharded: fp32 master weights 4P/W, fp32 gradients 4P/W, AdamW's two moments 8P/W.
 * **Reference** (the KL term): bf16, sharded, 2P/W.
+* **Teacher** (`--teacher_weights ema | refresh`): its own fp32 weights, sharded like the policy, 4P/W, in both
+  phases (live uses π_old's weights, frozen the reference's: nothing more).
 * **Gathered weights** while the policy computes: the root module's parameters (embedding, LM head, final
   norm), which FSDP2 keeps gathered through forward and backward, in c bytes, and their unsharded gradients
   before the root's reduce-scatter at the end of backward (c bytes to hold, 4 to reduce in fp32: at 7B, with
@@ -27,8 +29,8 @@ The terms (bytes; P parameters, W ranks, c the compute dtype's bytes, 2 for bf16
   weights to pinned host memory), where a residual of `vllm_asleep_gib` (CUDA graphs, allocator pools) is
   assumed **[ours]**. With the HF engine, the bf16 rollout copy instead, 2P, always.
 
-The peak is the larger of the rollout phase (trainer state, reference, vLLM's share) and the update phase
-(trainer state, reference, vLLM asleep, gathered weights, activations, logits). Not counted: the CUDA
+The peak is the larger of the rollout phase (trainer state, reference, teacher, vLLM's share) and the update
+phase (trainer state, reference, teacher, vLLM asleep, gathered weights, activations, logits). Not counted: the CUDA
 context (~0.5 GiB), fragmentation of the caching allocator, NCCL buffers.
 
 `--measure` checks the parts a CPU can measure: the peak host memory of one update micro-batch (forward and
@@ -93,7 +95,8 @@ def logit_bytes_per_entry(c: int) -> int:
 
 def estimate(cfg: dict, *, world: int = 8, gpu_gib: float = 80.0, micro_tokens: int = 8192, prompt: int = 1536,
              response: int = 512, grad_ckpt: bool = True, c: int = 2, engine: str = "vllm",
-             gpu_memory_utilization: float = 0.35, vllm_asleep_gib: float = 2.0, reference: bool = True) -> dict:
+             gpu_memory_utilization: float = 0.35, vllm_asleep_gib: float = 2.0, reference: bool = True,
+             teacher: str = "live") -> dict:
     """Per-rank GPU memory in GiB, term by term (module docstring). `micro_tokens` 0 means the trainer's
     count-based micro-batches: give the token count they hold (micro_batch × (prompt + response)) instead."""
     P, block, root = param_counts(cfg)
@@ -104,6 +107,7 @@ def estimate(cfg: dict, *, world: int = 8, gpu_gib: float = 80.0, micro_tokens: 
     t = {
         "trainer_state": 16 * P / world,
         "reference": 2 * P / world if reference else 0.0,
+        "teacher": 4 * P / world if teacher in ("ema", "refresh") else 0.0,
         "gathered_weights": c * root + (c + 4) * root + 2 * c * block + (c + 4) * block,
         "activations": T * keep + (T * one_block if grad_ckpt else 0.0),
         "logits": n_seq * response * cfg["vocab_size"] * logit_bytes_per_entry(c),
@@ -113,7 +117,7 @@ def estimate(cfg: dict, *, world: int = 8, gpu_gib: float = 80.0, micro_tokens: 
         t["vllm_awake"], t["vllm_asleep"] = gpu_memory_utilization * gpu_gib, vllm_asleep_gib
     else:
         t["vllm_awake"] = t["vllm_asleep"] = 2 * P / GIB   # the HF engine's bf16 rollout copy
-    base = t["trainer_state"] + t["reference"]
+    base = t["trainer_state"] + t["reference"] + t["teacher"]
     t["rollout_phase"] = base + t["vllm_awake"]
     t["update_phase"] = base + t["vllm_asleep"] + t["gathered_weights"] + t["activations"] + t["logits"]
     t["peak"] = max(t["rollout_phase"], t["update_phase"])
@@ -126,15 +130,18 @@ def table(world: int = 8, gpu_gib: float = 80.0) -> str:
     """Markdown table: each Qwen2.5 size under the GPU defaults and under the flags they replaced."""
     from harness import config
     d = config.GPU
-    rows = ["| model | flags | weights+grads+Adam | reference | gathered | activations | logits | vLLM awake / asleep "
-            "| rollout phase | update phase | fits 80 GB |", "|" + "---|" * 11]
+    rows = ["| model | flags | weights+grads+Adam | reference | teacher | gathered | activations | logits "
+            "| vLLM awake / asleep | rollout phase | update phase | fits 80 GB |", "|" + "---|" * 12]
+    gpu = dict(micro_tokens=d["micro_tokens"], grad_ckpt=d["grad_ckpt"])
     for name in TABLE_SIZES:
         cfg = QWEN25[name]
         for label, kw in ((f"defaults (`--micro_tokens {d['micro_tokens']} --grad_ckpt {str(d['grad_ckpt']).lower()}`)",
-                           dict(micro_tokens=d["micro_tokens"], grad_ckpt=d["grad_ckpt"])),
+                           gpu),
+                          ("defaults, `--teacher_weights ema`", dict(gpu, teacher="ema")),
                           ("`--micro_batch 32`, no checkpointing", dict(micro_tokens=32 * 2048, grad_ckpt=False))):
             e = estimate(cfg, world=world, gpu_gib=gpu_gib, **kw)
-            rows.append(f"| {name} | {label} | {e['trainer_state']:.1f} | {e['reference']:.1f} | {e['gathered_weights']:.1f} "
+            rows.append(f"| {name} | {label} | {e['trainer_state']:.1f} | {e['reference']:.1f} | {e['teacher']:.1f} "
+                        f"| {e['gathered_weights']:.1f} "
                         f"| {e['activations']:.1f} | {e['logits']:.1f} | {e['vllm_awake']:.0f} / {e['vllm_asleep']:.0f} "
                         f"| {e['rollout_phase']:.1f} | {e['update_phase']:.1f} | {'yes' if e['fits'] else '**no**'} |")
     return "\n".join(rows)

@@ -19,15 +19,20 @@ from test_skill_probe import _tiny_model  # noqa: E402
 @pytest.mark.parametrize("setting", list(C.SETTINGS))
 @pytest.mark.parametrize("skills,right,wrong", [("type", "generic", "wrong"), ("place", "oracle", "wrong_place")])
 def test_every_arm_is_a_valid_train_command_with_the_reward_off(setting, skills, right, wrong):
-    for arm in [*C.ARMS, C.WRONG]:
+    for arm in [*C.ARMS, *(f"{x}_wrong" for x in C.ARMS)]:
         flags = C.arm_flags(argparse.Namespace(skills=skills), arm)
         a = parse_args(["--model", "tiny", *C.COMMON, *C.SETTINGS[setting]["train"], *flags])
         assert a.distill_only and a.algo == "opsd" and a.c_kl == 0 and a.c_ent == 0 and a.opsd_keep == 1, arm
         assert a.teacher_loss == flags[flags.index("--teacher_loss") + 1], arm
         assert a.teacher_weights == flags[flags.index("--teacher_weights") + 1], arm
-        assert a.teacher_skill == (wrong if arm == C.WRONG else right), arm
-        if arm == C.WRONG:
-            assert flags[:-2] == C.ARMS[C.BEST], arm   # the best arm's estimator and weights, the control's skill
+        if "--teacher_support" in flags:
+            assert a.teacher_support == flags[flags.index("--teacher_support") + 1], arm
+        assert a.teacher_skill == (wrong if arm.endswith("_wrong") else right), arm
+        if arm.endswith("_wrong"):
+            # the arm's own estimator and weights, the control's skill
+            assert flags[:-2] == C.ARMS[arm.removesuffix("_wrong")], arm
+    assert [C.arm_flags(argparse.Namespace(skills="type"), f"topk_ema_{side}")[3] for side in ("student", "union")] \
+        == ["student", "union"]
     assert parse_args(["--model", "tiny", *C.COMMON, *C.ARMS["gated_beta0"]]).beta == 0
     assert C.BEST in C.ARMS and set(C.QUICK) <= set(C.ARMS)
 
@@ -57,6 +62,7 @@ def test_channel_check_end_to_end_on_a_tiny_model(tmp_path):
     assert "sinkbasin and clean" in prompts[C.BEST] and "fridge and cool" in prompts[C.WRONG]
     c = r["channel_right_minus_wrong"]
     assert c["per_seed"] == [r["arms"][C.BEST]["gain"] - r["arms"][C.WRONG]["gain"]]
+    assert r["arms"][C.BEST]["right_minus_wrong"]["per_seed"] == c["per_seed"]
     assert "through the channel" in C.report(r)
     with pytest.raises(SystemExit, match="--arms nope: unknown"):
         C.main(["--arms", "nope", "--out", str(out)])

@@ -111,7 +111,22 @@ want = ref.state_dict()
 copy = D.unsharded_copy(model, torch.float32, torch.device("cpu"))
 roll = D.rollout_copy(model, torch.bfloat16, torch.device("cpu"))   # the GPU path's rollout copy, on CPU
 ref_buffers = dict(ref.named_buffers())
-out = {"rank": D.RANK, "from_pretrained_calls": len(calls),
+teacher = D.sharded_like(model, torch.float32, torch.device("cpu"))   # an EMA teacher: built empty, no read
+D.ema_params(teacher, model, 0.0)
+teacher_full = D.full_state(teacher)
+model.unshard()                                  # the root gathered, as after a no-grad forward that kept it so
+try:
+    D.ema_params(teacher, model, 0.5)
+    guard = False
+except RuntimeError as e:
+    guard = "gathered" in str(e)
+model.reshard()
+out = {"rank": D.RANK,
+       "teacher_equal": sorted(teacher_full) == sorted(want) and all(torch.equal(teacher_full[k], want[k]) for k in want),
+       "teacher_sharded": all(hasattr(p, "to_local") for p in teacher.parameters()),
+       "teacher_tied": teacher.lm_head.weight is teacher.model.embed_tokens.weight,
+       "teacher_buffers": all(torch.equal(b, ref_buffers[n]) for n, b in teacher.named_buffers()),
+       "ema_guard": guard, "from_pretrained_calls": len(calls),
        "sharded": all(hasattr(p, "to_local") for p in model.parameters()),
        "local_numel": sum(p.to_local().numel() for p in model.parameters()),
        "total_numel": sum(p.numel() for p in ref.parameters()),
@@ -147,7 +162,8 @@ def _tiny_qwen_folder(path: Path) -> Path:
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
 def test_a_real_model_is_sharded_as_it_loads(tmp_path):
     """2 gloo ranks: only rank 0 reads the checkpoint; each rank holds half the parameters; gathered, they are
-    the checkpoint's, the rotary buffers (no part of the state dict) too, and so is the unsharded copy."""
+    the checkpoint's, the rotary buffers (no part of the state dict) too, and so is the unsharded copy; an EMA
+    teacher built empty beside it takes the policy's weights without reading the checkpoint again."""
     import json
     import subprocess
     folder = _tiny_qwen_folder(tmp_path / "m")
@@ -164,6 +180,10 @@ def test_a_real_model_is_sharded_as_it_loads(tmp_path):
         assert r["tied"] and r["copy_tied"]                        # one embedding matrix, as in the checkpoint
         # the rollout copy: parameters in bf16, the rotary frequencies the policy's own fp32 values
         assert r["roll_params_bf16"] and r["roll_buffers_exact"] and r["roll_tied"]
+        # the EMA teacher: sharded like the policy, filled from it with no file read (one read, rank 0's, in all),
+        # and an average into a gathered root is refused
+        assert r["teacher_equal"] and r["teacher_sharded"] and r["teacher_tied"] and r["teacher_buffers"]
+        assert r["ema_guard"]
     assert r0["local_numel"] + r1["local_numel"] == r0["total_numel"] and r1["local_numel"] < r0["total_numel"]
 
 

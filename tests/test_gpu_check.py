@@ -12,8 +12,10 @@ import gpu_check  # noqa: E402
 
 
 def test_gpu_check_runs_train_py_end_to_end_on_cpu(tmp_path):
+    # --teacher: the EMA teacher, the top-K term and T 0.7 through the SFT, the steps, the save and the resume
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--size", "tiny", "--work_dir", str(tmp_path / "w"),
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--size", "tiny", "--teacher", "--work_dir",
+           str(tmp_path / "w"),
            "--cache_dir", str(tmp_path / "cache"), "--out", str(out), "--sft_steps", "2", "--steps_a", "1",
            "--steps_b", "2", "--tasks", "2", "--group", "2", "--eval_games", "2", "--max_new_tokens", "8",
            "--", "--micro_batch", "2"]
@@ -21,18 +23,21 @@ def test_gpu_check_runs_train_py_end_to_end_on_cpu(tmp_path):
                        timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["pass"] and all(res["checks"].values()) and len(res["checks"]) == 9
+    assert res["pass"] and all(res["checks"].values()) and len(res["checks"]) == 10
+    assert res["checks"]["teacher_term_every_step"] and res["train_args"][:6] == gpu_check.TEACHER
+    assert all(s["opsd/kl"] >= 0 for s in res["steps"])
     assert [s["step"] for s in res["steps"]] == [1, 2]
     log_b = (tmp_path / "w" / "run_b.log").read_text()
     assert "resumed from" in log_b and "at step 1 (weights match the checksum saved with them)" in log_b
-    assert "--micro_batch 2" in (tmp_path / "w" / "run_a.log").read_text()   # arguments after -- reach train.py
+    log_a = (tmp_path / "w" / "run_a.log").read_text()
+    assert "--micro_batch 2" in log_a and "--teacher_weights ema" in log_a   # arguments reach train.py
     ph = res["run_a"]["phases"]
     assert {"phase/time/sft", "phase/time/eval_at_start", "phase/time/save", "phase/time/eval"} <= set(ph)
     assert set(res["run_b"]["phases"]) >= {"phase/time/save", "phase/time/eval"} and "phase/time/sft" not in res["run_b"]["phases"]
     s = res["steps"][0]
     assert s["gen_tokens"] > 0 and s["update_tokens"] > 0 and s["update_tokens_per_s"] > 0
     assert set(s["seconds"]) >= {"rollout", "skills", "score", "update", "sync", "step"}
-    assert s["rollout/logp_diff_mean"] < 1e-4          # fp32, the same weights on both sides
+    assert s["rollout/logp_diff_mean"] < 1e-4          # fp32, the same weights on both sides, at T 0.7
     assert s["update/first_logp_gap_mean"] < 1e-4      # π_θ before its first optimizer step is π_old
     blocks, head, _ = gpu_check.matmul_params(res["model"])
     assert res["matmul_params"] == blocks + head
@@ -68,3 +73,5 @@ def test_quick_preset_and_flags_that_win_over_it(tmp_path):
     assert (q.sft_steps, q.steps_a, q.steps_b, q.eval_games) == (20, 2, 3, 8)
     assert gpu_check.parse(["--quick", "--steps_b", "4", "--", "--sft_steps", "9"]).steps_b == 4   # given: kept
     assert gpu_check.parse([]).sft_steps == 60 and gpu_check.parse([]).tol_gap == 0.05
+    t = gpu_check.parse(["--teacher", "--", "--temperature", "1.0"])
+    assert t.train_args == gpu_check.TEACHER + ["--temperature", "1.0"] and gpu_check.parse([]).train_args == []

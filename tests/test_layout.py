@@ -235,3 +235,18 @@ def test_every_current_results_chain_parses_as_written(monkeypatch):
             m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
             with pytest.raises(Parsed):
                 module.main(cmd[2:])
+
+
+def test_method_s_step_table_names_every_function_rl_step_calls():
+    """METHOD.md §2's table of the step is the reader's map of `train.rl_step`: every function of the step it
+    calls (train.py's own, or one it imports) has its row."""
+    import inspect
+    import train as T
+    tree = next(n for n in ast.walk(ast.parse((ROOT / "train.py").read_text()))
+                if isinstance(n, ast.FunctionDef) and n.name == "rl_step")
+    called = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and inspect.isfunction(getattr(T, n.id, None))}
+    text = (ROOT / "METHOD.md").read_text()
+    step = text[text.index("## 2. One training step"):text.index("### 2.1 ")]
+    rows = set(re.findall(r"^\| `(\w+)`", step, flags=re.M))
+    assert {"rollout_and_advantages", "score_teacher", "update", "calibrate", "follow_policy"} <= called
+    assert called <= rows, sorted(called - rows)

@@ -42,6 +42,16 @@ def test_estimate_terms_by_hand():
     ck = MP.estimate(CFG, world=2, micro_tokens=100, prompt=30, response=10, grad_ckpt=True, c=2)
     assert ck["activations"] * GIB == pytest.approx(80 * 2 * 2 * 8 + 80 * 320)   # block inputs + one block rebuilt
     assert MP.estimate(CFG, micro_tokens=10, prompt=30, response=10)["micro_batch_sequences"] == 1   # one at least
+    # an ema (or refresh) teacher: its fp32 weights, sharded, 4P/W, in both phases; live and frozen add nothing
+    ema = MP.estimate(CFG, world=2, gpu_gib=1.0, micro_tokens=100, prompt=30, response=10, grad_ckpt=False, c=2,
+                      gpu_memory_utilization=0.5, vllm_asleep_gib=0.0, teacher="ema")
+    assert ema["teacher"] * GIB == pytest.approx(4 * P / 2) and e["teacher"] == 0.0
+    assert (ema["rollout_phase"] - e["rollout_phase"]) * GIB == pytest.approx(4 * P / 2)
+    assert (ema["update_phase"] - e["update_phase"]) * GIB == pytest.approx(4 * P / 2)
+    # at 7B on 8 GPUs: 47.5 GiB (rollout) and 41.5 (update) with it, 44.0 and 37.9 without
+    seven = {w: MP.estimate(MP.QWEN25["7B"], teacher=w) for w in ("live", "ema")}
+    assert [round(seven[w][k], 1) for w in ("live", "ema") for k in ("rollout_phase", "update_phase")] == \
+        [44.0, 37.9, 47.5, 41.5]
 
 
 def test_gpu_defaults_fit_7b_on_eight_80gb_gpus_and_the_old_flags_do_not():

@@ -1,15 +1,18 @@
 """A cluster run that survives: never more than two complete checkpoints, a run refused at start when its
 out_dir cannot hold one, a resume decided once for all ranks when one rank's reads fail (2 gloo ranks, within
-seconds, not the --dist_timeout hang), and a warm-start SFT stopped on 1 rank resumed on 2. torchrun runs this
-file as its worker."""
+seconds, not the --dist_timeout hang, also when a rank fails after the load), new ranks of a resume on more ranks
+drawing streams of their own, and a warm-start SFT stopped on 1 rank resumed on 2. torchrun runs this file as its
+worker."""
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 from collections import namedtuple
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,12 +71,22 @@ def test_a_run_whose_out_dir_cannot_hold_a_checkpoint_is_refused_at_start(tmp_pa
         T.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "full"])
     msg = str(e.value)
     n = sum(p.numel() for p in tiny.tiny_model(len(tiny.train_tiny_tokenizer(["a"])), ARGS).parameters())
-    assert "has 0.00 GB free" in msg and "a checkpoint of this run needs" in msg and "--check_disk false" in msg
-    assert "× 12 bytes" in msg and n > 0
+    assert "has 0.00 GB free" in msg and "this run needs" in msg and "--check_disk false" in msg
+    assert "a checkpoint 12 bytes each" in msg and "two checkpoints" in msg and "final/" in msg and n > 0
+    assert "quota" in msg and "lfs quota" in msg                       # statvfs does not see quotas: it says so
     assert not (tmp_path / "full" / "ckpt").exists()                   # nothing was computed or written
-    # --check_disk false runs on (here: a run with no step, no save) - and a checkpoint's size is 12 B a parameter
-    from harness.run import checkpoint_bytes
+    # a checkpoint's size is 12 B a parameter (16 with an EMA teacher); a run's peak holds two, final/ and, when it
+    # trains its own warm start, warm_start/ (4 B a parameter each)
+    from harness.run import checkpoint_bytes, disk_need
     assert checkpoint_bytes(10, T.Args()) == 120 and checkpoint_bytes(10, T.Args(teacher_weights="ema")) == 160
+    ema = T.Args(teacher_weights="ema", model="tiny")
+    assert disk_need(10, ema) == {"two checkpoints": 320, "final/": 40, "warm_start/": 40}
+    assert disk_need(10, T.Args(teacher_weights="ema", model="Qwen/Qwen2.5-7B-Instruct")) == {
+        "two checkpoints": 320, "final/": 40}                           # no --sft_data: no warm start of its own
+    assert disk_need(10, T.Args(model="tiny", steps=0)) == {"warm_start/": 40}   # a warm start alone
+    # 7B (7.62 B parameters) with an EMA teacher and its own warm start: 2 × 121.9 + 30.5 + 30.5 ≈ 305 GB, where one
+    # checkpoint is 122
+    assert sum(disk_need(7_620_000_000, ema).values()) / 1e9 == pytest.approx(304.8)
 
 
 def test_grace_and_cores_are_sized_from_the_run():
@@ -86,6 +99,32 @@ def test_grace_and_cores_are_sized_from_the_run():
     msg = too_few_cores(1, 8, 2)
     assert "1 core(s)" in msg and "32 wanted" in msg and "SRUN_CPUS_PER_TASK" in msg
     assert too_few_cores(80, 8, 2) is None and too_few_cores(None, 8, 2) is None
+
+
+def test_the_memory_watch_reads_the_devices_own_figure(monkeypatch, capsys):
+    # torch's allocator sees vLLM's pool in part and NCCL's buffers not at all: the watch reads what the driver
+    # reports in use (total − free), the largest at the end of a section
+    from harness.run import Run, Timer, watch_step
+    cuda = torch.cuda
+    used = iter([30, 34, 31])                                          # GiB in use at each section's end
+    for name, fn in (("is_available", lambda: True), ("synchronize", lambda: None),
+                     ("reset_peak_memory_stats", lambda: None), ("max_memory_allocated", lambda: 5 * 2**30),
+                     ("max_memory_reserved", lambda: 6 * 2**30),
+                     ("mem_get_info", lambda: ((80 - next(used)) * 2**30, 80 * 2**30))):
+        monkeypatch.setattr(cuda, name, fn)
+    timer = Timer()
+    for section in ("rollout", "update", "sync"):
+        with timer(section):
+            pass
+    assert timer.times["mem/device_used"] == 34.0 and timer.times["mem/reserved"] == 6.0
+    run = Run(T.Args(), Path("."), torch.device("cpu"), None, [], None)
+    for step in range(1, 6):                                           # the first 5 steps: 30 GiB each
+        watch_step(run, {"step": step, "mem/device_used": 30.0})
+    watch_step(run, {"step": 6, "mem/device_used": 32.0})
+    assert "warning" not in capsys.readouterr().out
+    watch_step(run, {"step": 7, "mem/device_used": 34.0, "mem/reserved": 6.0})
+    assert "GPU memory in use 34.0 GiB at step 7 is more than 10% above the first 5 steps' 30.0" in \
+        capsys.readouterr().out
 
 
 def _worker(out: Path):
@@ -118,6 +157,25 @@ def _worker(out: Path):
     st = D.load_checkpoint(out, *_model_opt(sharded=True))
     results["shards"] = (st["step"], time.time() - t0)
     dcp.FileSystemReader = real_reader
+
+    # 3. rank 1 fails after dcp.load (setting the loaded state): both ranks give the checkpoint up at the same point,
+    # not one in the checksum's all_reduce while the other waits in the outcome's all_gather
+    import torch.distributed.checkpoint.state_dict as sd
+    real_set = sd.set_state_dict
+
+    calls = []
+
+    def set_once_failing(*a, **k):        # the first checkpoint tried fails on this rank, the next one loads
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory setting the state")
+        return real_set(*a, **k)
+    if D.RANK == 1:
+        sd.set_state_dict = set_once_failing
+    t0 = time.time()
+    st = D.load_checkpoint(out, *_model_opt(sharded=True))
+    results["after_load"] = (st["step"], time.time() - t0)
+    sd.set_state_dict = real_set
     got = D.all_gather_obj(results)
     if D.RANK == 0:
         (out / "resume.json").write_text(json.dumps(got))
@@ -137,10 +195,37 @@ def _torchrun(args: list, port: int, timeout: int = 600):
 def test_a_resume_is_decided_once_when_one_ranks_reads_fail(tmp_path):
     r = _torchrun([__file__, str(tmp_path)], 29571)
     ranks = json.loads((tmp_path / "resume.json").read_text())
-    for rank in ranks:                     # both ranks load the same checkpoint, within seconds
-        assert rank["extra"][0] == 2 and rank["shards"][0] == 1
-        assert rank["extra"][1] < 30 and rank["shards"][1] < 30
+    for rank in ranks:                     # both ranks load the same checkpoint, within seconds (the group's
+        assert rank["extra"][0] == 2 and rank["shards"][0] == 1 and rank["after_load"][0] == 1   # timeout: 60 s)
+        assert rank["extra"][1] < 30 and rank["shards"][1] < 30 and rank["after_load"][1] < 30
     assert "step_000002: does not load: rank 1: " in r.stdout and "stale file handle" in r.stdout   # the log says why
+    assert "rank 1: RuntimeError: out of memory setting the state" in r.stdout
+
+
+def _rng_worker(out: Path):
+    """2 ranks resume a checkpoint that 1 rank wrote: each reports its next draws."""
+    D.setup(timeout_min=1.0)
+    model, opt = _model_opt(sharded=True)
+    D.load_checkpoint(out, model, opt)
+    draws = {"python": random.random(), "numpy": float(np.random.rand()), "torch": float(torch.rand(1))}
+    got = D.all_gather_obj(draws)
+    if D.RANK == 0:
+        (out / "draws.json").write_text(json.dumps(got))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
+def test_a_resume_on_more_ranks_gives_the_new_rank_streams_of_its_own(tmp_path):
+    model, opt = _model_opt()
+    _step(model, opt)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    D.save_checkpoint(tmp_path, model, opt, 1, ARGS, {})
+    saved = {"python": random.random(), "numpy": float(np.random.rand()), "torch": float(torch.rand(1))}
+    _torchrun([__file__, str(tmp_path), "rng"], 29573)
+    rank0, rank1 = json.loads((tmp_path / "draws.json").read_text())
+    assert rank0 == pytest.approx(saved)  # rank 0 goes on with the saved run's streams
+    assert all(rank1[k] != rank0[k] for k in saved)   # the new rank draws its own, not a copy of rank 0's
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo is tested on Linux")
@@ -166,6 +251,6 @@ def test_a_warm_start_stopped_on_one_rank_resumes_on_two(tmp_path, monkeypatch):
     assert (tmp_path / "sft" / "warm_start" / "config.json").exists()
 
 
-if __name__ == "__main__":   # torchrun worker of test_a_resume_is_decided_once_when_one_ranks_reads_fail
-    _worker(Path(sys.argv[1]))
+if __name__ == "__main__":   # torchrun worker of the two tests above
+    (_rng_worker if sys.argv[2:] == ["rng"] else _worker)(Path(sys.argv[1]))
     D.exit_process(0)

@@ -210,8 +210,9 @@ def test_padded_positions_never_reach_an_exponential():
     old = torch.tensor([[-1.0, 0.0]])
     teacher = torch.tensor([[-0.5, 0.0]])
     mask = torch.tensor([[1.0, 0.0]])
+    term = opsd_loss(logp, teacher, torch.tensor([1.0]), mask)
     loss, m = rsipo_loss(logp, old, torch.tensor([1.0]), mask, entropy=torch.ones(1, 2), ref_logp=ref,
-                         teacher_logp=teacher, trust=torch.tensor([1.0]), alpha=1.0, c_kl=1.0, c_ent=0.0)
+                         teacher_term=term, alpha=1.0, c_kl=1.0, c_ent=0.0)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     # only the response token counts: k3 at d = -1 is e^-1 - (-1) - 1 = 0.3678794
@@ -328,9 +329,11 @@ def test_rsipo_reduces_to_grpo_exactly():
 
     base = grpo()
     (g_base,) = torch.autograd.grad(base, logits)
-    # no teacher; teacher with alpha = 0 (even non-finite teacher log-probs are ignored)
-    for extra in (dict(alpha=0.01), dict(teacher_logp=teacher, trust=torch.ones(4), alpha=0.0),
-                  dict(teacher_logp=torch.full_like(teacher, float("nan")), trust=torch.ones(4), alpha=0.0)):
+    # no teacher; teacher with alpha = 0 (even a non-finite teacher term is ignored)
+    lp0 = token_logprobs(logits, targets)
+    nan_term = opsd_loss(lp0, torch.full_like(teacher, float("nan")), torch.ones(4), mask)
+    for extra in (dict(alpha=0.01), dict(teacher_term=opsd_loss(lp0, teacher, torch.ones(4), mask), alpha=0.0),
+                  dict(teacher_term=nan_term, alpha=0.0)):
         loss = rsipo(**extra)
         (g,) = torch.autograd.grad(loss, logits)
         assert torch.allclose(loss, base, rtol=0, atol=1e-7)
@@ -347,8 +350,8 @@ def test_rsipo_full_loss_is_sum_of_terms_and_skill_call():
     logits, targets, old, ref, teacher, adv, mask = _batch(seed=5)
     lp, H = token_logprobs(logits, targets), entropy_from_logits(logits)
     trust = torch.tensor([0.9, 0.1, 0.5, 0.0])
-    loss, m = rsipo_loss(lp, old, adv, mask, entropy=H, ref_logp=ref, teacher_logp=teacher, trust=trust,
-                         clip_eps=0.2, beta=5.0, alpha=0.01, c_kl=0.01, c_ent=0.001)
+    loss, m = rsipo_loss(lp, old, adv, mask, entropy=H, ref_logp=ref, teacher_term=opsd_loss(lp, teacher, trust, mask),
+                         clip_eps=0.2, alpha=0.01, c_kl=0.01, c_ent=0.001)
     # Eq. (12) for student turns: L_PG + α L_OPSD + c_KL KL - c_H H
     pg, _ = policy_loss(lp, old, adv, mask, 0.2)
     op, _ = opsd_loss(lp, teacher, trust, mask, 5.0)
@@ -360,8 +363,6 @@ def test_rsipo_full_loss_is_sum_of_terms_and_skill_call():
     a_skill = torch.tensor([0.6, -0.9, 0.2, 0.0])
     ls, _ = rsipo_loss(lp, old, a_skill, mask, pg_weight=0.1, alpha=0.01, c_kl=0.0, c_ent=0.0)
     assert torch.allclose(ls, 0.1 * policy_loss(lp, old, a_skill, mask, 0.2)[0], rtol=0, atol=1e-8)
-    with pytest.raises(ValueError):
-        rsipo_loss(lp, old, adv, mask, teacher_logp=teacher, trust=None, alpha=0.01)
 
 
 def test_end_to_end_linear_policy_learns():
@@ -384,7 +385,7 @@ def test_end_to_end_linear_policy_learns():
         logits = policy(feats)  # [B,L,V]
         lp = token_logprobs(logits, targets)
         loss, m = rsipo_loss(lp, old, adv, mask, entropy=entropy_from_logits(logits), ref_logp=old,
-                             teacher_logp=teacher, trust=trust, alpha=0.01, c_kl=0.01, c_ent=0.001)
+                             teacher_term=opsd_loss(lp, teacher, trust, mask), alpha=0.01, c_kl=0.01, c_ent=0.001)
         assert math.isfinite(loss.item())
         opt.zero_grad()
         loss.backward()
@@ -428,12 +429,12 @@ def test_a_gigpo_group_without_repeated_states_is_grpo_exactly():
 
 
 def test_separate_token_means_for_pg_opsd_and_regularisers():
-    # one sample, 2 tokens; the PG term over pg_n_tokens = 4, KL over reg_n_tokens = 8, OPSD over n_tokens = 2
+    # one sample, 2 tokens; the PG term over n_tokens = 4, KL over reg_n_tokens = 8, OPSD over its own n_tokens = 2
     logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     old, ref, teach = torch.full((1, 2), -1.0), torch.full((1, 2), -2.0), torch.full((1, 2), -1.0)
-    loss, m = rsipo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), ref_logp=ref, teacher_logp=teach,
-                         trust=torch.tensor([1.0]), alpha=1.0, c_kl=1.0, c_ent=0.0, n_tokens=2.0, pg_n_tokens=4.0,
-                         reg_n_tokens=8.0)
+    term = opsd_loss(logp, teach, torch.tensor([1.0]), torch.ones(1, 2), n_tokens=2.0)
+    loss, m = rsipo_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), ref_logp=ref, teacher_term=term,
+                         alpha=1.0, c_kl=1.0, c_ent=0.0, n_tokens=4.0, reg_n_tokens=8.0)
     # ρ = 1: PG = −(1 + 1)/4 = −0.5; k3 at d = −1: e^-1 − (−1) − 1 = 0.3678794 per token → 2·0.3679/8;
     # OPSD: d = 0 → 0
     assert abs(m["pg/loss"] + 0.5) < 1e-6 and abs(m["kl/k3"] - 2 * math.exp(-1) / 8) < 1e-6

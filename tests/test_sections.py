@@ -1,6 +1,6 @@
 """The RL step's sections on their own, each from hand-made episodes and records, each asserting the rule it
 implements: write_skills (Eq. 2), replay (Eq. 3-4), skill_advantages (Eq. 5), trust (Eq. 6-9), keep_skills
-(§2.10). tests/test_replay_control.py holds the source choice and the skill rule; test_train.py `score`."""
+(§2.10). tests/test_replay_control.py holds the source choice and the skill rule; test_train.py `score_teacher`."""
 import math
 import random
 import sys
@@ -186,13 +186,16 @@ def test_the_bank_keeps_replayed_skills_whose_shrunk_gain_is_positive():
 
 # ---- rl_step: which sections run ---------------------------------------------------------------------------
 
+SCORE = ["training_samples", "score_policy", "score_teacher"]
+
+
 @pytest.mark.parametrize("algo, sections", [
-    ("grpo", ["rollout_and_advantages", "score", "update", "sync_weights", "step_row"]),
-    ("gigpo", ["rollout_and_advantages", "score", "update", "sync_weights", "step_row"]),
+    ("grpo", ["rollout_and_advantages", *SCORE, "update", "sync_weights", "step_row"]),
+    ("gigpo", ["rollout_and_advantages", *SCORE, "update", "sync_weights", "step_row"]),
     ("opsd", ["rollout_and_advantages", "write_skills", "share_records", "trust(replayed=False)",
-              "score", "update(use_teacher=True)", "sync_weights", "step_row"]),
+              *SCORE, "update(use_teacher=True)", "sync_weights", "step_row"]),
     ("rsipo", ["rollout_and_advantages", "write_skills", "replay", "share_records", "skill_advantages",
-               "trust(replayed=True)", "keep_skills", "score", "update(use_teacher=True)", "sync_weights", "step_row"]),
+               "trust(replayed=True)", "keep_skills", *SCORE, "update(use_teacher=True)", "sync_weights", "step_row"]),
 ])
 def test_rl_step_alone_decides_which_sections_run(monkeypatch, algo, sections):
     called = []
@@ -207,8 +210,9 @@ def test_rl_step_alone_decides_which_sections_run(monkeypatch, algo, sections):
         monkeypatch.setattr(T, name, spy(name))
     monkeypatch.setattr(T, "rollout_and_advantages", spy("rollout_and_advantages", T.Batch([], [], [], [], [])))
     monkeypatch.setattr(T, "share_records", spy("share_records", []))
-    monkeypatch.setattr(T, "score", spy("score", ([], [])))
-    monkeypatch.setattr(T, "skill_in_teacher_prompts", lambda *a: {})
+    monkeypatch.setattr(T, "training_samples", spy("training_samples", ([], [])))
+    monkeypatch.setattr(T, "score_policy", spy("score_policy"))
+    monkeypatch.setattr(T, "score_teacher", spy("score_teacher", {}))
     monkeypatch.setattr(T, "update", spy("update", {}))
     monkeypatch.setattr(T, "step_row", spy("step_row", {}))
     run = _run(T.Args(algo=algo, group_size=2))

@@ -1,5 +1,7 @@
 """The teacher channel's diagnostics: --teacher_skill generic (each game's type-level workflow as the teacher's
 skill) and the teacher − student gap on the tool actions of a procedure against the rest (train.teacher_gaps)."""
+import copy
+import dataclasses
 import math
 import random
 import sys
@@ -11,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
+import rsipo  # noqa: E402
 import rollout  # noqa: E402
 import train as T  # noqa: E402
 from harness import config, tiny  # noqa: E402
@@ -126,7 +129,9 @@ def test_score_asks_the_chosen_weights_for_the_teacher(tmp_path, weights):
         b = T.rollout_and_advantages(run)
         T.give_skills(run, b)
         T.trust(run, T.share_records(b), replayed=False)
-        samples, _ = T.score(run, b)
+        samples, skills = T.training_samples(run, b)
+        T.score_policy(run, samples, skills)
+        seen = T.score_teacher(run, b, samples)
         chosen = {"live": run.rollout_model, "frozen": run.ref}.get(weights, run.teacher)
         sm = next(s for s in samples if s.teacher is not None)
         pair = rollout.teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
@@ -134,7 +139,6 @@ def test_score_asks_the_chosen_weights_for_the_teacher(tmp_path, weights):
         assert torch.allclose(sm.teacher, run.logprobs(chosen, [pair])[0], atol=1e-6)
         if weights != "live":
             assert not torch.allclose(sm.teacher, run.logprobs(run.rollout_model, [pair])[0], atol=1e-3)
-        seen = T.skill_in_teacher_prompts(run, b, [s for s in samples if s.teacher is not None])
         assert seen["seen"] / seen["prompts"] > 10 and 0.9 <= seen["seen"] / seen["total"] <= 1.0
         text = (tmp_path / weights / "teacher_prompt.txt").read_text()
         assert b.records[0].skill.split(";")[0].split()[-1] in text and "Skill for this task" in text
@@ -164,19 +168,114 @@ def test_a_teacher_prompt_that_holds_none_of_its_skill_stops_the_run(tmp_path):
         T.skill_in_teacher_prompts(run, b, [sm])
 
 
-def test_teacher_support_gathers_the_students_log_probs_on_the_teachers_tokens():
+def test_support_of_pads_the_teachers_side_and_leaves_rows_without_one_finite():
     logp_all = torch.log_softmax(torch.randn(2, 3, 6), -1)               # [B, R, V]
-    ids = torch.tensor([[5, 0], [1, 2]], dtype=torch.int32)              # sample 0: 2 positions, K = 2
-    dist = torch.tensor([[-0.1, -3.0], [-0.5, -1.0]])
-    with_teacher = T.Sample([1], [2, 3], 0.0, torch.zeros(2), teacher_ids=ids, teacher_dist=dist)
+    ids = torch.tensor([[5, 0], [1, -1]], dtype=torch.int32)             # sample 0: 2 positions, S = 2 (a union slot)
+    lp = torch.tensor([[-0.1, -3.0], [-0.5, -math.inf]])
+    tail = torch.tensor([-2.5, -1.2])
+    with_teacher = T.Sample([1], [2, 3], 0.0, torch.zeros(2), teacher=torch.zeros(2),
+                            support=rollout.Support(ids, lp, tail))
     without = T.Sample([1], [2, 3, 4], 0.0, torch.zeros(3))
-    s, t = T.teacher_support_of([with_teacher, without], logp_all, T.Args(teacher_loss="topk", teacher_topk=2))
-    assert torch.equal(s[0, 0], logp_all[0, 0, [5, 0]]) and torch.equal(s[0, 1], logp_all[0, 1, [1, 2]])
-    assert torch.equal(t[0, :2], dist) and torch.equal(t[1], s[1].detach())   # no teacher: its own (KL 0)
-    full = T.Sample([1], [2, 3], 0.0, torch.zeros(2), teacher_dist=torch.log_softmax(torch.zeros(2, 6), -1))
-    s, t = T.teacher_support_of([full], logp_all[:1], T.Args(teacher_loss="full"))
-    assert s is logp_all[:1] or torch.equal(s, logp_all[:1])
-    assert torch.allclose(t[0, :2], torch.full((2, 6), -math.log(6))) and torch.equal(t[0, 2], logp_all[0, 2])
+    args = T.UpdateConfig.from_args(T.Args(teacher_loss="topk"))
+    full, got_ids, got_lp, got_tail = T.support_of([with_teacher, without], logp_all, args)
+    assert full is logp_all and got_ids.shape == (2, 3, 2)
+    assert torch.equal(got_ids[0, :2], ids.long()) and torch.equal(got_lp[0, :2], lp) and torch.equal(got_tail[0, :2], tail)
+    x = rsipo.teacher_inputs(logp_all[..., 0], torch.tensor([True, False]), None, full, got_ids, got_lp, got_tail)
+    assert torch.equal(x["student_support"][0, 0], logp_all[0, 0, [5, 0]])
+    assert x["support_valid"][0, 1].tolist() == [True, False]
+    assert torch.equal(x["teacher_support"][1], x["student_support"][1].detach())   # no teacher: its own (KL 0)
+    vocab = T.Sample([1], [2, 3], 0.0, torch.zeros(2), teacher=torch.zeros(2),
+                     support=rollout.Support(None, torch.log_softmax(torch.zeros(2, 6), -1), None))
+    _, no_ids, v_lp, no_tail = T.support_of([vocab], logp_all[:1], T.UpdateConfig.from_args(T.Args(teacher_loss="full")))
+    assert no_ids is None and no_tail is None and torch.allclose(v_lp[0, :2], torch.full((2, 6), -math.log(6)))
+
+
+def _scored_run(tmp_path, name, *flags):
+    """A tiny opsd run's first step up to the update: rollouts, the given skills, trust, and the three scorings."""
+    argv = ["--algo", "opsd", "--teacher_skill", "generic", "--sft_steps", "0", "--eval", "false", "--tasks_per_step",
+            "2", "--group_size", "2", "--max_turns", "3", "--tiny_hidden", "32", "--c_kl", "0", "--opsd_keep", "1",
+            "--out_dir", str(tmp_path), "--run_name", name, *flags]
+    run = T.setup(T.parse_args(argv))
+    T.build_policy(run)
+    T.begin(run)
+    b = T.rollout_and_advantages(run)
+    T.give_skills(run, b)
+    T.trust(run, T.share_records(b), replayed=False)
+    samples, skills = T.training_samples(run, b)
+    T.score_policy(run, samples, skills)
+    T.score_teacher(run, b, samples)
+    return run, b, samples
+
+
+@pytest.mark.parametrize("side", ["student", "teacher", "union"])
+def test_score_keeps_the_support_of_each_side_with_the_teachers_exact_tail(tmp_path, side):
+    run, b, samples = _scored_run(tmp_path, side, "--teacher_loss", "topk", "--teacher_topk", "3",
+                                  "--teacher_support", side, "--teacher_weights", "ema")
+    try:
+        sm = next(s for s in samples if s.teacher is not None)
+        assert sm.student_top is None                                     # freed once scored
+        pair = rollout.teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
+                                    run.pool.task_prefix + b.eps[sm.turn.episode_id].task)
+        (_, teacher_all), (_, student_all) = (
+            run.logprobs(m, [p], support="vocab")[0] for m, p in ((run.teacher, pair),
+                                                                  (run.rollout_model, (sm.prompt_ids, sm.response_ids))))
+        t_all, s_all = teacher_all.lp, student_all.lp                          # [r, V] each
+        ids = sm.support.ids.long()
+        held = [set(row) - {-1} for row in ids.tolist()]
+        s_top = [set(row) for row in s_all.topk(3, dim=-1).indices.tolist()]
+        t_top = [set(row) for row in t_all.topk(3, dim=-1).indices.tolist()]
+        want = {"student": s_top, "teacher": t_top, "union": [a | b for a, b in zip(s_top, t_top)]}[side]
+        assert held == want
+        assert ids.shape[-1] == (6 if side == "union" else 3)
+        kept = sm.support.lp
+        assert torch.allclose(kept[ids >= 0], t_all.gather(-1, ids.clamp(min=0))[ids >= 0], atol=1e-6)
+        fill = torch.where(ids < 0, ids[:, :1], ids)                        # an empty slot repeats a held id
+        rest = torch.ones_like(t_all, dtype=torch.bool).scatter(-1, fill, False)
+        exact = torch.stack([t_all[i][rest[i]].logsumexp(-1) for i in range(len(t_all))])
+        assert torch.allclose(sm.support.tail, exact, atol=1e-5)
+    finally:
+        T.teardown(run)
+
+
+def test_the_taught_normaliser_divides_the_teacher_term_by_the_taught_tokens_only(tmp_path):
+    run, b, samples = _scored_run(tmp_path, "norm", "--teacher_loss", "topk", "--mini_batch", "512")
+    try:
+        samples[0].teacher, samples[0].support, samples[0].trust = None, None, 0.0   # one turn without a teacher
+        taught = [s for s in samples if s.teacher is not None]
+        assert 0 < len(taught) < len(samples)
+        terms = {}
+        for norm in ("all", "taught"):
+            model = copy.deepcopy(run.model)
+            args = T.UpdateConfig.from_args(dataclasses.replace(run.args, teacher_norm=norm))
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            terms[norm] = T.update(model, opt, samples, args, run.tok.pad_token_id, run.device, True)["opsd/loss"]
+        ratio = sum(len(s.response_ids) for s in samples) / sum(len(s.response_ids) for s in taught)
+        assert terms["taught"] == pytest.approx(ratio * terms["all"], rel=1e-5) and terms["all"] > 0
+    finally:
+        T.teardown(run)
+
+
+def test_a_toy_estimator_registered_in_rsipo_trains_with_no_edit_elsewhere(tmp_path, monkeypatch):
+    # the estimator table is the one place that says what an estimator needs: register a toy one (λ times the
+    # squared gap to ℓ^T) and a tiny run's step computes it, from the flag to the update's metrics
+    def toy(x):
+        value = rsipo.masked_token_mean(x.trust[:, None] * (x.logp - x.teacher_logp) ** 2, x.mask, x.n_tokens)
+        return value, {"opsd/loss": float(value), "opsd/toy": 1.0}
+    monkeypatch.setitem(rsipo.TEACHER_ESTIMATORS, "toy", rsipo.Estimator(toy, ("teacher_logp",)))
+    argv = ["--algo", "opsd", "--teacher_skill", "generic", "--teacher_loss", "toy", "--sft_steps", "0", "--eval",
+            "false", "--tasks_per_step", "2", "--group_size", "2", "--max_turns", "3", "--tiny_hidden", "32",
+            "--opsd_keep", "1", "--out_dir", str(tmp_path), "--run_name", "toy"]
+    run = T.setup(T.parse_args(argv))
+    try:
+        T.build_policy(run)
+        T.begin(run)
+        run.preempt = type("NoSignal", (), {"check": staticmethod(lambda: None), "seen": False})()
+        before = [p.detach().clone() for p in run.model.parameters()]
+        row = T.rl_step(run, 0)
+        assert row["opsd/toy"] == 1.0 and row["opsd/loss"] > 0
+        assert any(not torch.equal(a, p) for a, p in zip(before, run.model.parameters()))
+    finally:
+        T.teardown(run)
 
 
 def test_bad_teacher_options_are_refused_naming_the_flag(tmp_path):

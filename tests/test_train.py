@@ -112,6 +112,11 @@ def test_single_process_run_and_exact_resume(tmp_path):
     st_cut = _state(tmp_path / "cut")
     for k, v in st["model"].items():
         assert torch.allclose(v, st_cut["model"][k], atol=1e-6), k
+    # the same command once more: the run is done; it evaluates again and leaves final/ as it was
+    before = (tmp_path / "cut" / "final" / "model.safetensors").stat()
+    T.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "cut"])
+    after = (tmp_path / "cut" / "final" / "model.safetensors").stat()
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
 
 
 def _skill_writing_sft(path: Path) -> Path:
@@ -176,8 +181,11 @@ def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
         real = calibration.run_episodes
         monkeypatch.setattr(calibration, "run_episodes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
         calib = calibration.calibrate(run, b, step=4)
+        run.preempt = type("Signalled", (), {"seen": True})()        # SIGTERM seen on this rank: cut at once
+        cut = calibration.calibrate(run, b, step=5)
     finally:
         T.teardown(run)
+    assert cut == {"calib/env_steps": 0, "calib/tasks": 0} and len(seen) == 2 and not any(e.steps for e in seen[1])
     eps = seen[0]   # tasks 0 and 2 with their skill, 2 episodes each, then the same tasks without one
     assert [e.task_id for e in eps] == [g[0], g[0], g[2], g[2]] * 2
     assert [e.skill for e in eps] == ["go to the shelf."] * 2 + ["open the fridge."] * 2 + [None] * 4
@@ -435,7 +443,7 @@ def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monke
 
 
 def test_score_gives_lambda_zero_to_a_turn_whose_teacher_prompt_does_not_fit(tmp_path):
-    # `score` is the one place a turn's λ is set: its task's trust where the teacher prompt fits, else 0 (no
+    # `score_teacher` is the one place a turn's λ is set: its task's trust where the teacher prompt fits, else 0 (no
     # teacher log-probs). Two tasks trusted at 0.8, one with a skill far over the prompt budget.
     run = T.setup(T.parse_args(TINY + ["--algo", "rsipo", "--sft_steps", "0", "--eval", "false", "--out_dir",
                                        str(tmp_path), "--run_name", "sc"]))
@@ -447,7 +455,9 @@ def test_score_gives_lambda_zero_to_a_turn_whose_teacher_prompt_does_not_fit(tmp
         too_long = " ".join(["go to the shelf"] * (run.args.max_prompt_tokens // 2))
         for rec, skill in zip(b.records, ["open the fridge.", too_long]):
             rec.skill, rec.trust = skill, 0.8
-        samples, _ = T.score(run, b)
+        samples, skills = T.training_samples(run, b)
+        T.score_policy(run, samples, skills)
+        T.score_teacher(run, b, samples)
     finally:
         T.teardown(run)
     fits, over = ([sm for sm in samples if sm.turn.group_id == k] for k in (0, 1))
@@ -457,7 +467,7 @@ def test_score_gives_lambda_zero_to_a_turn_whose_teacher_prompt_does_not_fit(tmp
 
 
 def test_update_refuses_a_trusted_sample_without_teacher_log_probs():
-    # λ > 0 with no ℓ^T would still raise the turn's tokens by λ·σ(0)·∇ℓ through ℓ^T := ℓ: `score` never makes
+    # λ > 0 with no ℓ^T would still raise the turn's tokens by λ·σ(0)·∇ℓ through ℓ^T := ℓ: `score_teacher` never makes
     # one, and update says so rather than train on it
     args = T.Args(tiny_hidden=32, c_kl=0.0, c_ent=0.0, micro_batch=4, mini_batch=8, alpha=1.0)
     model = tiny.tiny_model(50, args)
@@ -544,6 +554,7 @@ def test_steps_0_evaluates_a_checkpoint_once(tmp_path, monkeypatch):
     assert len(calls) == 1
     assert s["eval/success"] == s["eval/success_at_start"] and s["eval/by_game"] == s["eval_at_start/by_game"]
     assert s["eval/episodes"] == 2                      # --eval_games 2, --eval_repeats 1
+    assert not (tmp_path / "ev" / "final").exists()     # no weight changed: no copy of --model's weights
 
 
 def test_a_step_that_updates_nothing_says_why(tmp_path, capsys):

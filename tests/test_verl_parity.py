@@ -1,5 +1,5 @@
 """Where the recipes claim verl / verl-agent's numbers, the same numbers, each derived by hand (METHOD.md, "Where
-we differ from verl and verl-agent"): the dual clip, the clamped k3 KL, mean_norm, GiGPO's step score (the
+we differ from verl and verl-agent"): the dual clip, the policy ratio's log held to ±20, the clamped k3 KL, mean_norm, GiGPO's step score (the
 penalty after the discounted return, a dropped turn keeping its place), env-error episodes out of the group
 statistics, and the trainer's log-probs at the sampling temperature."""
 import json
@@ -31,6 +31,22 @@ def test_dual_clip_caps_a_negative_advantage_token_at_c():
         logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
         loss, m = rsipo.policy_loss(logp, torch.zeros(1, 1), torch.tensor([A]), torch.ones(1, 1))
         assert loss.item() == pytest.approx(value) and m["pg/dual_clip_frac"] == 0.0
+
+
+def test_the_policy_ratio_is_held_to_log_20_as_verl():
+    # log ρ = 100: e^100 is inf in fp32 and its gradient NaN; held to ±20 as verl, the clipped surrogate takes over
+    # (A = +1: −(1 + ε) = −1.2; A = −1: the dual clip's c·A, −(−3) = 3), each with gradient 0
+    for A, value in ((1.0, -1.2), (-1.0, 3.0)):
+        logp = torch.tensor([[100.0]], requires_grad=True)
+        loss, m = rsipo.policy_loss(logp, torch.zeros(1, 1), torch.tensor([A]), torch.ones(1, 1))
+        loss.backward()
+        assert loss.item() == pytest.approx(value) and logp.grad.item() == 0.0
+        assert m["pg/ratio_mean"] == pytest.approx(math.exp(20), rel=1e-6)
+    # without the dual clip a negative advantage meets e^20 itself: finite, where e^100 was inf
+    logp = torch.tensor([[100.0]], requires_grad=True)
+    loss, _ = rsipo.policy_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), clip_ratio_c=None)
+    loss.backward()
+    assert loss.item() == pytest.approx(math.exp(20), rel=1e-6) and logp.grad.item() == 0.0
 
 
 def test_k3_kl_is_clamped_as_verls_low_var_kl():

@@ -16,6 +16,7 @@ Run: python -m pytest -q tests/test_vllm_engine.py
 import functools
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import types
@@ -223,7 +224,7 @@ def test_sampling_params_temperature_greedy_stop_and_max_tokens(fake_vllm, tok):
     for kw in (dict(greedy=True), dict(temperature=0.0)):
         eng.generate(["go to desk 1"], **kw)
         sp = eng.llm.requests[-1][1]
-        assert sp["temperature"] == 0.0 and sp["top_p"] == 1.0
+        assert sp["temperature"] == 0.0 and sp["top_p"] == 1.0 and sp["logprobs"] == 2   # the near-tie margin
     eng.generate(["go to desk 1"], stop=False, max_new_tokens=5)   # skill writing: no stop texts
     sp = eng.llm.requests[-1][1]
     assert "stop" not in sp and "stop_token_ids" not in sp and sp["max_tokens"] == 5
@@ -275,6 +276,18 @@ def test_logprobs_of_the_sampled_token_and_stop_text_kept(fake_vllm, tok):
     assert g.token_ids == [go, desk, act]
     assert g.logprobs == [-0.5, -0.05, -1.25]
     assert g.text == tok.decode([go, desk, act], skip_special_tokens=False) and g.text.endswith(STOP_TEXT)
+
+
+def test_greedy_generations_report_their_nearest_tie(fake_vllm, tok):
+    # greedy: each position lists its two likeliest tokens; the margin is the smallest top-1 − top-2 gap over the
+    # response (eval/near_ties counts episodes below rollout.NEAR_TIE); sampled: no margin
+    go, to, desk, act = (ids_of(tok, w)[0] for w in ("go", "to", "desk", STOP_TEXT))
+    lps = [{go: Logprob(-0.1), to: Logprob(-2.5)}, {desk: Logprob(-0.6), to: Logprob(-0.8)},
+           {act: Logprob(-0.01), go: Logprob(-5.0)}]
+    FakeLLM.reply = staticmethod(lambda p, sp: ([go, desk, act], lps, "stop", STOP_TEXT))
+    g = make(tok).generate(["x"], greedy=True)[0]
+    assert g.min_margin == pytest.approx(0.2)                        # position 1: −0.6 − (−0.8)
+    assert make(tok).generate(["x"], temperature=0.7)[0].min_margin == math.inf
 
 
 def test_trailing_eos_is_dropped_like_hfengine(fake_vllm, tok):
