@@ -31,9 +31,11 @@ Choices the paper leaves open, made here **[ours]**:
 4. Inserting a skill into a prompt that already has a skill line right after the task line
    replaces that line, so insertion is idempotent; an empty/None skill leaves the prompt as is.
 5. The bank merges identical texts (after whitespace normalisation) within a task type: uses + 1,
-   running mean of the raw gain, last shrunk gain. Over capacity it evicts the lowest shrunk gain
-   (ties: the oldest). Non-finite gains are rejected. Entries keep the task id and step of the
-   first time they were added.
+   running mean of the raw gain, last shrunk gain and trust. Over capacity it evicts the lowest shrunk
+   gain (ties: the oldest). Non-finite gains are rejected. Entries keep the task id, task sentence and
+   step of the first time they were added.
+7. A banked skill can teach another task of its type (the trainer's bank teacher): `adapt_skill` puts the
+   new task's object and target, read off its task line, in place of the source task's.
 6. The skill rule (`names_task`): a skill must name every term of its task (ALFWorld: the object and the
    target read off the task line, `envs.task_terms`); one that does not is invalid like an unparsable one.
 
@@ -60,7 +62,7 @@ ANSWER_FORMAT = 'words. Answer with exactly one JSON object and nothing else: {"
 MAX_WORDS_FACTOR = 2  # a skill over MAX_WORDS_FACTOR * max_words words is invalid [ours]
 ANALYZER_MAX_STEPS = 30  # the analyzer shows at most the episode's last 30 steps [ours]
 NON_ASCII_MAX = 0.2  # a skill with more than this share of non-ASCII characters is invalid [ours]
-BANK_VERSION = 1
+BANK_VERSION = 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +198,20 @@ def skill_token_budget(encode, max_words: int = 80) -> int:
     return math.ceil(1.5 * per_word * MAX_WORDS_FACTOR * max_words) + wrapper
 
 
+def adapt_skill(skill: str, source_terms, terms) -> str:
+    """[ours] A skill written for one task, made over for another task of its type: each term of the source task
+    (ALFWorld: its object and its target, `envs.task_terms`) replaced, as a whole word (a plural s kept), by the
+    other task's term in the same role. Term lists of different lengths (a task line of no known template), or a
+    source whose terms repeat, leave the skill as it is; so do tasks without terms (search QA), whose skills are
+    strategies of their type already. Both lists come from task lines the policy sees."""
+    source_terms, terms = tuple(t.lower() for t in source_terms), tuple(t.lower() for t in terms)
+    swap = dict(zip(source_terms, terms))
+    if not source_terms or len(source_terms) != len(terms) or len(swap) < len(source_terms):
+        return skill
+    words = "|".join(sorted(map(re.escape, swap), key=len, reverse=True))
+    return re.sub(rf"\b({words})(s?)\b", lambda m: swap[m[1].lower()] + m[2], skill, flags=re.IGNORECASE)
+
+
 def names_task(skill: str, terms) -> bool:
     """[ours] The skill rule (choice 6): the skill names every one of `terms` (a word that starts with it: "apples"
     names apple). The terms come from the task line the policy sees, so the rule uses no hidden information."""
@@ -242,10 +258,12 @@ class SkillEntry:
     uses: int = 1  # times it was added (identical texts merge)
     mean_gain: float = 0.0  # running mean of the replay gain g_q (Eq. 3)
     shrunk_gain: float = 0.0  # last shrunk gain ĝ_q (Eq. 8); the eviction key
+    trust: float = 0.0  # λ_q (Eq. 9) at its last validation: the bank teacher's trust [ours]
+    task: str = ""  # the task sentence it was first written for (its terms, for `adapt_skill`) [ours]
 
 
 _ENTRY_TYPES = {"text": str, "task_type": str, "task_id": str, "step": int, "uses": int,
-                "mean_gain": (int, float), "shrunk_gain": (int, float)}
+                "mean_gain": (int, float), "shrunk_gain": (int, float), "trust": (int, float), "task": str}
 
 
 class SkillBank:
@@ -261,8 +279,9 @@ class SkillBank:
         return sum(len(v) for v in self.skills.values())
 
     def add(self, task_type: str, skill: str, gain: float, shrunk_gain: float,
-            task_id: str, step: int) -> bool:
-        """Add a skill if validated (shrunk_gain > 0); return whether it is in the bank after."""
+            task_id: str, step: int, trust: float = 0.0, task: str = "") -> bool:
+        """Add a skill if validated (shrunk_gain > 0); return whether it is in the bank after. `trust` (λ, Eq. 9)
+        and `task` (the task sentence it was written for) serve the bank teacher [ours]."""
         text = " ".join((skill or "").split())
         gain, shrunk_gain = float(gain), float(shrunk_gain)
         if not text or not (math.isfinite(gain) and math.isfinite(shrunk_gain)) or shrunk_gain <= 0:
@@ -272,9 +291,9 @@ class SkillBank:
             if e.text == text:  # merge
                 e.uses += 1
                 e.mean_gain += (gain - e.mean_gain) / e.uses  # running mean
-                e.shrunk_gain = shrunk_gain
+                e.shrunk_gain, e.trust = shrunk_gain, float(trust)
                 return True
-        new = SkillEntry(text, task_type, str(task_id), int(step), 1, gain, shrunk_gain)
+        new = SkillEntry(text, task_type, str(task_id), int(step), 1, gain, shrunk_gain, float(trust), task)
         entries.append(new)
         if len(entries) > self.capacity:  # evict the lowest shrunk gain, the oldest on ties
             entries.remove(min(entries, key=lambda e: e.shrunk_gain))

@@ -15,10 +15,10 @@ One RL step (`rl_step`) calls, in the order of METHOD.md §2:
 each inside one `Sections` context (harness/run.py: timed, and before the update a SIGTERM check after it).
 `--algo grpo` runs rollout, scoring, update; `opsd` adds skills and the teacher with λ ≡ 1; `rsipo` all of it.
 `rl_step` alone decides which sections run; the file follows it: the records, the step, its sections in call
-order, the update in its parts, what a step logs, then the warm start, the reference and `main`.
+order, the update in its parts, then the warm start, the reference and `main`.
 Every section is a function of the `Run` (what the whole run holds) and the step's `Batch`; a test can call
 each on its own. Per task, the sections fill one `TaskRecord`; the records are gathered once a step. The sections
-compute and return; one place, `step_row` and the functions below it ("What a step logs"), builds the metrics row.
+compute and return; one place, `step_row` (harness/step_log.py, "What a step logs"), builds the metrics row.
 `main` reads as the run's phases: step → evaluate → log → save. The plumbing below them (set-up, resume,
 checkpoints, SIGTERM behind `Preemption`, the files written at the end) is harness/run.py; the flags and presets
 harness/config.py; SFT harness/sft.py; ranks and sharding infra/distributed.py; the tiny model and its data (and
@@ -68,13 +68,14 @@ from harness.run import (Preemption, Run, Sections, build_policy, compute_dtype,
                          progress, resume, save, save_policy, setup, teardown, watch_step)
 from harness.sft import load_sft_jsonl, sft
 from harness.calibration import calibrate
+from harness.step_log import step_row
 from infra import distributed as D
 from infra.io import write_text
 from infra.distributed import (aligned_micro_batches, all_gather_obj, all_reduce, all_reduce_named, all_reduce_union,
                                print0, shard)
 from rollout import (Episode, Generation, Support, Turn, by_task, collate, fit_prompt, run_episodes, sampler_gap,
                      teacher_pair, token_logprobs_of)
-from skills import ANALYZER_MAX_STEPS, analyzer_prompt, names_task, parse_skill
+from skills import ANALYZER_MAX_STEPS, adapt_skill, analyzer_prompt, names_task, parse_skill
 
 
 # ---- One step's records ------------------------------------------------------------------------------------------
@@ -96,6 +97,17 @@ class TaskRecord:
     trust: float = 0.0                    # λ_q, Eq. (9); 0 = no teacher signal for the task's turns
     skill_adv: Optional[float] = None     # A^skill_q, Eq. (5); None = no skill sample
     posterior: Optional[dict] = None      # [ours] --calibrate: Eq. (9)'s λ under trust modes eb and raw
+    task: str = ""                        # the task sentence (the bank keeps it with the skill written for it)
+    bank_skill: Optional[str] = None      # [ours] --bank_teacher: the banked skill its teacher reads, made over
+
+    def teacher_skill(self) -> Optional[str]:   # the skill in the teacher's prompt: the bank's, else its own
+        return self.bank_skill or self.skill
+
+    def skill_reward(self, r_bad: float) -> float:
+        """Eq. (5)'s g̃ of a task that wrote a skill: its replay gain, or r_bad for an invalid skill (and, in the
+        metrics only, for a valid one without a measured gain: never replayed, or its replay failed). The trainer's
+        one place r_bad stands in for a gain (rsipo.skill_advantages, a library function, applies the same rule)."""
+        return self.gain if self.skill is not None and self.gain is not None else r_bad
 
 
 @dataclass
@@ -138,7 +150,7 @@ def rl_step(run: Run, step: int) -> dict:
     given ones) and a teacher that trusts every valid one (λ ≡ 1); rsipo replays each skill, trusts it by its
     replay gain, trains the skill writer (Eq. 5) and banks the validated skills. Between the sections before the
     update, a SIGTERM on any rank abandons the step (`Preemption`). The sections compute; what the step logs is
-    built from their results at the end (`step_row`, "What a step logs")."""
+    built from their results at the end (`step_row`, harness/step_log.py)."""
     a = run.args
     section = Sections(run.preempt)       # each section timed; before the update, a SIGTERM check after each
     rsipo_sections = a.algo == "rsipo"
@@ -158,6 +170,8 @@ def rl_step(run: Run, step: int) -> dict:
             fit = trust(run, recs, replayed=rsipo_sections)
             if rsipo_sections:
                 keep_skills(run, recs, step)
+            if a.bank_teacher:
+                bank_teachers(run, recs)
         if a.calibrate:
             with section("calibrate"):
                 calib = calibrate(run, b, step)
@@ -189,7 +203,8 @@ def rollout_and_advantages(run: Run) -> Batch:
                        constrained=a.constrained, reserve=run.skill_reserve, stop=run.stop_now)   # group id = task k
     turns = policy_turns(eps)
     adv, anchored = advantages(eps, turns, a)
-    records = [TaskRecord(t[run.pool.task_key], group[0].task_type) for t, group in zip(tasks, by_task(eps, N))]
+    records = [TaskRecord(t[run.pool.task_key], group[0].task_type, task=group[0].task)
+               for t, group in zip(tasks, by_task(eps, N))]
     return Batch(tasks, eps, turns, adv, records, anchored_frac=anchored)
 
 
@@ -359,13 +374,6 @@ def share_records(b: Batch) -> list[TaskRecord]:
     return recs
 
 
-def skill_reward(r: TaskRecord, r_bad: float) -> float:
-    """Eq. (5)'s g̃ of a task that wrote a skill: its replay gain, or r_bad for an invalid skill (and, in the
-    metrics only, for a valid one without a measured gain: never replayed, or its replay failed). The trainer's
-    one place r_bad stands in for a gain (rsipo.skill_advantages, a library function, applies the same rule)."""
-    return r.gain if r.skill is not None and r.gain is not None else r_bad
-
-
 def skill_advantages(run: Run, recs: list[TaskRecord]):
     """Eq. (5) (§2.5): the skill-writing advantage A^skill over the tasks that wrote a skill and have a skill
     reward (the replay gain; an invalid skill: r_bad; a skill whose replay failed has none), against running
@@ -373,7 +381,7 @@ def skill_advantages(run: Run, recs: list[TaskRecord]):
     a = run.args
     rewarded = [r for r in recs if r.source is not None and (r.skill is None or r.replay_ok)]
     A, run.skill_means = rsipo.skill_advantages(
-        torch.tensor([skill_reward(r, a.r_bad) for r in rewarded], dtype=torch.float32),
+        torch.tensor([r.skill_reward(a.r_bad) for r in rewarded], dtype=torch.float32),
         [r.task_type for r in rewarded], torch.tensor([r.skill is not None for r in rewarded]), r_bad=a.r_bad,
         running_means=run.skill_means)
     for r, adv in zip(rewarded, A.tolist()):
@@ -414,7 +422,20 @@ def keep_skills(run: Run, recs: list[TaskRecord], step: int):
     ĝ > 0 (`SkillBank.add`)."""
     for r in recs:
         if r.skill is not None and r.replay_ok:
-            run.bank.add(r.task_type, r.skill, r.gain, r.shrunk, r.task_id, step + 1)
+            run.bank.add(r.task_type, r.skill, r.gain, r.shrunk, r.task_id, step + 1, r.trust, r.task)
+
+
+def bank_teachers(run: Run, recs: list[TaskRecord]):
+    """[ours] --bank_teacher (METHOD.md §2.10): what the policy found in one task reaches the tasks of its type it has
+    not won. A task with no trusted fresh skill (λ 0: no win to write from, an invalid skill, a replay without
+    evidence) is taught by the bank's best skill of its type (the highest shrunk gain, this step's validated ones
+    included), made over for its object and target from the two task lines (`skills.adapt_skill`), at the trust λ
+    that skill earned at its last validation. An empty bank teaches nothing: those tasks train as without it."""
+    for r in recs:
+        best = run.bank.best(r.task_type) if r.trust == 0 else []
+        if best:
+            r.bank_skill = adapt_skill(best[0].text, run.pool.task_terms(best[0].task), run.pool.task_terms(r.task))
+            r.trust = best[0].trust
 
 
 def training_samples(run: Run, b: Batch) -> tuple[list[Sample], list[Sample]]:
@@ -472,7 +493,7 @@ def score_teacher(run: Run, b: Batch, samples: list[Sample]) -> dict:
     teacher saw its skill (`skill_in_teacher_prompts`)."""
     a = run.args
     kept = [sm for sm in samples if sm.trust > 0]   # grpo and gigpo trust no teacher: every λ is 0
-    teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
+    teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].teacher_skill(),
                           run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
     fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
     teacher_model = {"live": old_policy(run), "frozen": run.ref}.get(a.teacher_weights, run.teacher)
@@ -519,7 +540,7 @@ def skill_in_teacher_prompts(run: Run, b: Batch, scored: list[Sample]) -> dict:
     unk = run.tok.unk_token_id
     seen, total = 0, 0
     for sm in scored:
-        ids, skill = sm.teacher_prompt, b.records[sm.turn.group_id].skill
+        ids, skill = sm.teacher_prompt, b.records[sm.turn.group_id].teacher_skill()
         wanted = [t for t in run.tok.encode(skill, add_special_tokens=False) if t != unk]
         head = next((i for i, (x, y) in enumerate(zip(ids, sm.prompt_ids)) if x != y),
                     min(len(ids), len(sm.prompt_ids)))   # where the two prompts part
@@ -778,169 +799,6 @@ def follow_policy(run: Run, step: int):
         D.ema_params(run.teacher, run.model, a.teacher_ema)
     elif a.teacher_weights == "refresh" and (step + 1) % a.teacher_refresh == 0:
         D.ema_params(run.teacher, run.model, 0.0)
-
-
-# ---- What a step logs --------------------------------------------------------------------------------------------
-
-def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples: list[Sample], extra: dict,
-             skills: Optional[list[TaskRecord]] = None, fit: Optional[dict] = None,
-             seen: Optional[dict] = None) -> dict:
-    """The step's row of metrics.jsonl, built from what its sections computed: the totals every step logs (over
-    ranks, one collective); GiGPO's anchors; the skills, their replay and trust (`skills`: every rank's records,
-    opsd/rsipo; `fit`: the EB fit); the sampler against the trainer (`rollout.sampler_gap`); the teacher's view
-    of the student's tokens and how much of its skill it sees (`seen`); a step that trains nothing (`idle_reason`,
-    said once on the console and counted in the summary); then `extra` (the update's metrics, the sections'
-    times). Also keeps the step's last won and lost episode (for the report)."""
-    eps = b.eps + b.replay_eps
-    t = all_reduce_named({
-        "won": sum(e.won for e in b.eps), "episodes": sum(e.error is None for e in b.eps),
-        "reward": sum(e.reward for e in b.eps if e.error is None),
-        "invalid": sum(tr.invalid for tr in b.turns), "turns": len(b.turns),
-        "env_errors": sum(e.error is not None for e in b.eps), "turns_updated": len(samples),
-        "gen_tokens": sum(len(tr.response_ids) for tr in b.turns),
-        "seq_tokens": sum(len(sm.prompt_ids) + len(sm.response_ids) for sm in samples + skill_samples),
-        "seq_tokens_sq": sum((len(sm.prompt_ids) + len(sm.response_ids)) ** 2 for sm in samples + skill_samples),
-        "response_tokens": sum(len(sm.response_ids) for sm in samples + skill_samples),
-        "env_steps": sum(len(e.steps) for e in eps), "prompt_overflow": sum(e.overflow for e in eps),
-        "teacher_overflow": b.teacher_overflow})
-    run.env_steps += int(t["env_steps"])
-    n = max(1, t["episodes"])
-    for key, won in (("won", True), ("lost", False)):
-        e = next((e for e in reversed(b.eps) if e.won == won), None)
-        if e is not None:
-            run.episodes[key] = {"task": e.task, "task_type": e.task_type, "skill": b.records[e.group_id].skill,
-                                 "reward": e.reward, "won": e.won, "steps": [list(s) for s in e.steps],
-                                 "step": step + 1}
-    row = {"step": step + 1, "train/success": t["won"] / n, "train/reward": t["reward"] / n,
-           "train/invalid_frac": t["invalid"] / max(1, t["turns"]), "train/turns": int(t["turns"]),
-           "train/env_errors": int(t["env_errors"]), "train/turns_updated": int(t["turns_updated"]),
-           "rollout/gen_tokens": int(t["gen_tokens"]), "update/seq_tokens": int(t["seq_tokens"]),
-           "update/seq_tokens_sq": int(t["seq_tokens_sq"]), "update/response_tokens": int(t["response_tokens"]),
-           "train/env_steps": int(t["env_steps"]), "train/env_steps_total": run.env_steps,
-           "rollout/prompt_overflow": int(t["prompt_overflow"]), "teacher/prompt_overflow": int(t["teacher_overflow"])}
-    if b.anchored_frac is not None:
-        row["gigpo/anchored_frac"] = b.anchored_frac
-    if skills is not None:
-        row.update(skill_metrics(run, skills))
-        row.update(trust_metrics(skills, fit))
-    # the sampler's log-probs against π_old on the freely sampled tokens (top-p 1, unconstrained)
-    row.update(sampler_gap([(sm.old, sm.sampled) for sm in samples + skill_samples if sm.sampled is not None]))
-    if seen is not None and seen["prompts"]:
-        row.update({"teacher/skill_tokens": seen["seen"] / seen["prompts"],
-                    "teacher/skill_token_share": seen["seen"] / max(1, seen["total"])})
-    row.update(teacher_gaps(run, [sm for sm in samples if sm.teacher is not None]))
-    reason = idle_reason(run.args, b, samples, skill_samples)
-    if reason:                            # [ours] a step that trains nothing says so, once, and is counted
-        print0(f"warning: step {step + 1} updates nothing: {reason}")
-        run.summary["update/idle_steps"] = run.summary.get("update/idle_steps", 0) + 1
-        row.update({"update/idle": 1, "update/idle_reason": reason})
-    return {**row, **extra}
-
-
-def skill_metrics(run: Run, recs: list[TaskRecord]) -> dict:
-    """The skills of the step, all ranks: how many tasks wrote one, how many are valid, their rewards (Eq. 5's
-    g̃), their length, what the written ones name of their game (`Run.skill_facts`, where the preset knows the
-    games), also by the outcome of the episode each was written from (won / lost)."""
-    a, m = run.args, {}
-    written = [r for r in recs if r.source is not None]
-    rewards = [skill_reward(r, a.r_bad) for r in written]
-    facts = [f for r in recs if r.skill and r.source in ("won", "lost") and run.skill_facts is not None
-             for f in [run.skill_facts(r.skill, r.task_id)] if f]
-    for key in ("object", "target", "place") if facts else ():
-        m[f"skill/names_{key}"] = float(np.mean([f[key] for f in facts]))
-    m["skill/written_frac"] = len(written) / max(1, len(recs))
-    if written:                           # a step where no task wrote a skill has no validity or reward to log
-        m.update({"skill/valid_frac": sum(r.skill is not None for r in written) / len(written),
-                  "skill/rule_failed": float(sum(r.rule_failed for r in written)),
-                  "skill/reward_mean": float(np.mean(rewards))})
-    words = [len(r.skill.split()) for r in recs if r.skill]
-    if words:
-        m["skill/words"] = float(np.mean(words))
-    for source in ("won", "lost"):
-        mine = [g for r, g in zip(written, rewards) if r.source == source]
-        m[f"skill/{source}_sources"] = float(len(mine))
-        if mine:
-            m[f"skill/{source}_reward"] = float(np.mean(mine))
-    return m
-
-
-def trust_metrics(recs: list[TaskRecord], fit: Optional[dict]) -> dict:
-    """λ and the replay gains of the step, all ranks: trust's mean and the share of tasks with a teacher; with a
-    replay (`fit`, the EB fit) the shrinkage, the raw and shrunk gains, the uninformative replays, the gain per
-    task type, and the gain and λ by the outcome of the skill's source episode."""
-    ok = [r for r in recs if r.replay_ok]
-    lam = np.array([r.trust for r in recs])
-    m = {}
-    if fit is not None:
-        g, types = [r.gain for r in ok], [r.task_type for r in ok]
-        m.update({"trust/shrink_mean": float(np.mean(fit["shrink"])),
-                  "replay/shrunk_gain_mean": float(np.mean(fit["mean"])),
-                  "replay/gain_mean": float(np.mean(g)),
-                  "replay/uninformative": float(sum(not r.informative for r in ok))})
-        for t in sorted(set(types)):
-            m[f"replay/gain_{t}"] = float(np.mean([x for x, tx in zip(g, types) if tx == t]))
-        for source in ("won", "lost"):
-            mine = [r for r in ok if r.source == source]
-            if mine:
-                m[f"replay/{source}_gain"] = float(np.mean([r.gain for r in mine]))
-                m[f"trust/{source}_mean"] = float(np.mean([r.trust for r in mine]))
-    m.update({"trust/mean": float(lam.mean()) if len(lam) else 0.0,
-              "trust/frac_teacher": float((lam > 0).mean()) if len(lam) else 0.0,
-              "replay/failed": float(sum(r.skill is not None for r in recs) - len(ok))})
-    return m
-
-
-def teacher_gaps(run: Run, scored: list[Sample]) -> dict:
-    """[ours] How the teacher rates the student's own tokens before the update, d = ℓ^T − ℓ^old per token, all
-    ranks: its mean, the share of tokens the gate of Eq. (11) would open (d > 0: σ(β·d) > ½), the sampled
-    estimates of KL(π_old‖π_T) (k1: mean −d; k3: mean e^d − d − 1), the mean by the turn's index in its
-    episode, and over the turns whose action uses the tool of its task type's procedure (the sink for clean:
-    `Run.tool_action`, where the preset knows it) against the rest. Where the teacher carries a procedure the
-    student lacks, the tool turns' gap is the larger."""
-    sums: dict[str, float] = {}
-
-    def add(key, d):
-        sums[f"{key}/sum"] = sums.get(f"{key}/sum", 0.0) + float(d.sum())
-        sums[f"{key}/n"] = sums.get(f"{key}/n", 0.0) + d.numel()
-    for sm in scored:
-        d = (sm.teacher - sm.old).float()                                # [r]
-        action = run.pool.parse_action(sm.turn.response_text) or ""
-        kind = "tool" if run.tool_action is not None and run.tool_action(action, sm.turn.task_type) else "other"
-        add(f"gap_{kind}", d)
-        add("gap_mean", d)
-        add(f"gap_turn{min(sm.turn.step, 5)}", d)
-        add("gate_gt_half", (d > 0).float())
-        add("kl_k1", -d)
-        add("kl_k3", d.exp() - d - 1)
-    keys = [f"{k}/{x}" for k in ("gap_tool", "gap_other", "gap_mean", "gate_gt_half", "kl_k1", "kl_k3")
-            + tuple(f"gap_turn{t}" for t in range(6)) for x in ("sum", "n")]
-    tot = all_reduce_named({k: sums.get(k, 0.0) for k in keys})
-    out = {}
-    for key in dict.fromkeys(k.rsplit("/", 1)[0] for k in keys):
-        if tot[f"{key}/n"]:
-            name = key if key != "gap_turn5" else "gap_turn5plus"
-            out[f"teacher/{name}"] = float(tot[f"{key}/sum"] / tot[f"{key}/n"])
-    for kind in ("tool", "other"):
-        if tot[f"gap_{kind}/n"]:
-            out[f"teacher/tokens_{kind}"] = int(tot[f"gap_{kind}/n"])
-    return out
-
-
-def idle_reason(a: Args, b: Batch, samples: list[Sample], skill_samples: list[Sample]) -> Optional[str]:
-    """Why no sample of the step, on any rank, carries a learning signal (a policy gradient, a trusted teacher
-    or a skill-writing advantage), or None when one does (a collective)."""
-    turns, invalid, pg, taught, skill = all_reduce([
-        len(b.turns), sum(tr.invalid for tr in b.turns), sum(s.adv != 0 for s in samples),
-        sum(s.trust > 0 for s in samples) if a.alpha > 0 else 0,
-        sum(s.adv != 0 for s in skill_samples) if a.eta else 0])
-    if pg or taught or skill:
-        return None
-    if not turns:
-        return "no turn was played"
-    why = ("the reward is off (--distill_only)" if a.distill_only else
-           "every turn was invalid (no parsable action), so every group is tied" if invalid == turns else
-           "every group is tied (all its turns scored alike), so every advantage is 0")
-    return why + ("; and no turn has a trusted teacher (λ = 0)" if a.uses_skills and a.alpha > 0 else "")
 
 
 # ---- The warm start and the reference; the run's phases ----------------------------------------------------------

@@ -256,6 +256,11 @@ class Args:
                                    "[ours])")
     skill_max_words: int = arg(80, "skill length asked for in the analyzer prompt (words)")
     bank_capacity: int = arg(8, "skill bank: skills kept per task type")
+    bank_teacher: bool = arg(False, "[ours] a task with no trusted fresh skill (λ 0: no win in its group, an invalid "
+                             "skill, a replay without evidence) is taught by the bank's best skill of its type, made "
+                             "over for its object and target, at the trust it earned (METHOD.md §2.10; --algo rsipo)")
+    skill_bank: str = arg("", "[ours] a skill_bank.json to start the bank from (a fresh start only: a resume takes the "
+                          "checkpoint's); empty = an empty bank", path=True)
     calibrate: int = arg(0, "[ours] rsipo: a trust check, METHOD.md §5.7: per scored skill, this many fresh episodes "
                             "with it and as many without; calibration.jsonl, report (0 = off; not trained on, not in "
                             "the budget)")
@@ -314,6 +319,8 @@ class Args:
             bad("distill_only", f"needs a teacher (--algo opsd or rsipo): with --algo {self.algo} nothing would train")
         if self.calibrate and self.algo != "rsipo":
             bad("calibrate", f"> 0 needs --algo rsipo (got {self.algo})")
+        if self.bank_teacher and self.algo != "rsipo":
+            bad("bank_teacher", f"needs --algo rsipo, whose replays validate the banked skills (got {self.algo})")
         missing = [f for f in tiny.folder_list(self.sft_walkthroughs) if not Path(f).is_dir()]
         if missing and self.model == "tiny" and self.env == "alfworld" and not self.sft_data:
             bad("sft_walkthroughs", f"folder not found: {missing[0]} (make it with scripts/alfworld_gen.py "

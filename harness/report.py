@@ -482,7 +482,7 @@ def section_header(name, config, summary, train, notes, date) -> str:
                          f"skill, so what the student gains on {held} games RL found. Its row leads the table by "
                          "type."))
     idle = [r for r in train if r.get("update/idle")]
-    if idle:                              # steps whose update had no learning signal (train.idle_reason)
+    if idle:                              # steps whose update had no learning signal (harness.step_log.idle_reason)
         reasons = "; ".join(f"step {r['step']}: {r.get('update/idle_reason', '?')}" for r in idle[:5])
         more = " …" if len(idle) > 5 else ""
         out.append(_note(f"{len(idle)} of {len(train)} RL steps updated nothing: {reasons}{more}"))

@@ -388,6 +388,7 @@ def setup(args) -> "Run":
             raise SystemExit(f"error: --sft_hold_out {args.sft_hold_out}: the {args.train_split} split of "
                              f"{args.data_root} has no game of that type (it has "
                              f"{', '.join(sorted(set(data.train_types)))}), so RL could not find its procedure")
+        bank = initial_bank(args, data)   # a bank file that does not parse: refused before any worker starts
         pool = make_pool(args, data)
     except EnvDataError as e:
         raise SystemExit(f"error: {e}") from None
@@ -399,10 +400,26 @@ def setup(args) -> "Run":
            + "\n".join(f"  {c}" for c in changed_defaults(args)))
     return Run(args, run_dir, device, data, eval_games, pool, summary={"config": dataclasses.asdict(args)},
                task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
-               bank=SkillBank(args.bank_capacity),
+               bank=bank,
                skill_facts=tiny.skill_facts_of_game if args.env == "alfworld" else None,
                given_skill=given_skills(args, data),
                tool_action=tiny.tool_action if args.env == "alfworld" else None)
+
+
+def initial_bank(args, data: EnvData) -> SkillBank:
+    """The skill bank a fresh run starts with: empty, or --skill_bank's file (its capacity). Refused before any
+    rollout: a file that does not parse (named, with what is wrong), and --bank_teacher where a training task has
+    no type (the bank is kept, and its skills reach tasks, by type)."""
+    untyped = [t for t in data.train if not data.task_type.get(t)]
+    if args.bank_teacher and untyped:
+        raise SystemExit(f"error: --bank_teacher: {len(untyped)} training tasks have no task type (e.g. {untyped[0]});"
+                         " the bank keeps skills by type and teaches a task those of its own type")
+    if not args.skill_bank:
+        return SkillBank(args.bank_capacity)
+    try:
+        return SkillBank.load(args.skill_bank)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --skill_bank {e}") from None
 
 
 def checkpoint_bytes(n_params: int, args) -> int:

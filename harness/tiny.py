@@ -272,11 +272,21 @@ def wrong_skill_of_game(gamefile: str) -> str | None:
     kind = game_truth(walkthrough_of(gamefile))["type"] if right else None
     if kind not in TOOLS:
         return None
-    (tool, verb), (wrong_tool, wrong_verb) = TOOLS[kind], TOOLS[WRONG_TOOL[kind]]
-    wrong = right.replace(f"go to the {tool} and {verb} the", f"go to the {wrong_tool} and {wrong_verb} the")
-    if wrong == right:
-        raise ValueError(f"wrong_skill_of_game: no '{tool}/{verb}' step to swap in {right!r}")
+    wrong = swap_procedure(right, kind)
+    if wrong is None:
+        raise ValueError(f"wrong_skill_of_game: no '{'/'.join(TOOLS[kind])}' step to swap in {right!r}")
     return wrong
+
+
+def swap_procedure(skill: str, task_type: str) -> str | None:
+    """[ours] Any skill's wrong-procedure control: its "go to the <tool> and <verb> the" step with another type's
+    tool and verb (`WRONG_TOOL`), the rest unchanged; None for a type without a tool, or a skill without that step
+    (the policy's own skills, which imitate `rule_skill`, mostly have it)."""
+    if task_type not in TOOLS:
+        return None
+    (tool, verb), (wrong_tool, wrong_verb) = TOOLS[task_type], TOOLS[WRONG_TOOL[task_type]]
+    wrong = skill.replace(f"go to the {tool} and {verb} the", f"go to the {wrong_tool} and {wrong_verb} the")
+    return None if wrong == skill else wrong
 
 
 def oracle_skill_of_game(gamefile: str) -> str | None:

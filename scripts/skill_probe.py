@@ -139,11 +139,16 @@ def own_skills(engine, pool, games: list[str], generic: dict, a) -> dict:
            "control_success": sum(control.values()) / max(1, len(control)), "conditions": {}}
     print(f"source episodes: {100 * out['source_success']:.1f}% won; {out['games_with_won']} of {len(games)} games "
           f"have a won one; control {100 * out['control_success']:.1f}% ({time.time() - t0:.0f}s)", flush=True)
-    for name, skills in [("generic", generic)] + list(written.items()):
+    conditions = [("generic", generic)] + list(written.items())
+    if a.cross:
+        conditions += cross_skills(games, written.get(f"won_T{temps[0]:g}", {}), rng)
+    won_by = {}
+    for name, skills in conditions:
         gs = [g for g in games if g in skills]
         if not gs:
             continue
         _, with_skill = play(gs, a.repeats, skills, a.seed)
+        won_by[name] = with_skill
         gain, se, n = rollout.paired_gain(control, with_skill)
         keeps = {g: names_task(skills[g], envs.task_terms(_task_of(g))) for g in gs}
         row = {"games": n, "success": sum(with_skill.values()) / n, "control": sum(control[g] for g in gs) / n,
@@ -160,7 +165,35 @@ def own_skills(engine, pool, games: list[str], generic: dict, a) -> dict:
               f"gain {100 * gain:+.1f} ± {100 * se:.1f}; skill rule kept by {100 * row['rule_share']:.0f}%"
               + "".join(f"; {part} {100 * r['gain']:+.1f} ± {100 * r['se']:.1f} ({r['games']} games)"
                         for part, r in parts if r) + f" ({time.time() - t0:.0f}s)", flush=True)
+    for right, wrong in (("cross", "cross_wrong"), ("generic", "cross_wrong")) if "cross_wrong" in won_by else ():
+        both = [g for g in won_by[wrong] if g in won_by[right]]   # paired over the games that have both
+        d, se, n = rollout.paired_gain({g: won_by[wrong][g] for g in both}, {g: won_by[right][g] for g in both})
+        out[f"{right}_minus_cross_wrong"] = {"gain": d, "se": se, "games": n}
+        print(f"{right} − cross_wrong (paired over {n} games): {100 * d:+.1f} ± {100 * se:.1f}", flush=True)
     return out
+
+
+def cross_skills(games: list[str], own: dict, rng) -> list[tuple[str, dict]]:
+    """--own --cross [ours]: what a skill the policy wrote in one game is worth in another game of its type. For
+    each game, the won-source skill of another game of its type drawn at random: as written (cross_raw), made over
+    for this game's object and target (cross: `skills.adapt_skill`, the bank teacher's rewrite), and that with the
+    wrong procedure (cross_wrong: `tiny.swap_procedure`; types with a tool only)."""
+    from skills import adapt_skill
+    by_type: dict[str, list[str]] = {}
+    for g in games:
+        by_type.setdefault(game_task_type(g), []).append(g)
+    raw, made_over, wrong = {}, {}, {}
+    for g in games:
+        peers = [h for h in by_type[game_task_type(g)] if h != g and h in own]
+        if not peers:
+            continue
+        h = rng.choice(peers)
+        raw[g] = own[h]
+        made_over[g] = adapt_skill(own[h], envs.task_terms(_task_of(h)), envs.task_terms(_task_of(g)))
+        swapped = tiny.swap_procedure(made_over[g], game_task_type(g))
+        if swapped:
+            wrong[g] = swapped
+    return [("cross_raw", raw), ("cross", made_over), ("cross_wrong", wrong)]
 
 
 GATE_BETAS = (5, 50)
@@ -250,6 +283,10 @@ def main(argv=None):
                    help="sampling temperature of the episodes (default 0.4; with --own 1, the training rollouts')")
     p.add_argument("--own", action="store_true", help="measure the policy's own skills (module docstring)")
     p.add_argument("--sources", type=int, default=8, help="--own: skill-free episodes per game to write skills from")
+    p.add_argument("--cross", action="store_true", help="--own [ours]: also each game with a skill written in another "
+                   "game of its type, as written, made over for its object and target, and with the wrong procedure")
+    p.add_argument("--conditions", default="all", help="comma list of the given-skill conditions to play (none, "
+                   "oracle, generic, wrong, wrong_place, other, bank), or all")
     p.add_argument("--skill_temperature", default="1,0", help="--own: T_skill of the skills written (a comma list: "
                    "each gives a condition won_T<t> from the same won episodes, 0 = greedy; lost_T<t> at the first)")
     p.add_argument("--max_turns", type=int, default=None, help="episode cap (default: train.py's for this model)")
@@ -308,6 +345,8 @@ def main(argv=None):
         conds["other"] = other
     else:
         print(f"no game of another task type in {a.split}: the 'other' condition is left out")
+    if a.conditions != "all":             # the none episodes are the control and the teacher's view: always played
+        conds = {k: v for k, v in conds.items() if k in {"none", "oracle", "generic", *a.conditions.split(",")}}
     from transformers import AutoModelForCausalLM
     tok = rollout.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()

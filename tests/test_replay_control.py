@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
 import skills  # noqa: E402
 import train as T  # noqa: E402
+from harness import step_log  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 import replay_sim as S  # noqa: E402  (the simulation script, which this file tests)
@@ -127,7 +128,7 @@ def test_a_rule_failed_skill_scores_r_bad_and_a_task_without_a_skill_is_not_in_e
             T.TaskRecord("b", "clean", source="won", skill=None, rule_failed=True),
             T.TaskRecord("c", "clean", source="lost", skill="s c", gain=-0.5, replay_ok=True),
             T.TaskRecord("d", "clean", source=None)]                    # wrote no skill
-    m = T.skill_metrics(run, recs)
+    m = step_log.skill_metrics(run, recs)
     T.skill_advantages(run, recs)
     # Eq. (5) over a, b, c only: rewards 0.5, -1, -0.5 against their mean -1/3
     assert [r.skill_adv for r in recs[:3]] == pytest.approx([0.5 + 1 / 3, -1 + 1 / 3, -0.5 + 1 / 3])
@@ -146,7 +147,7 @@ def test_trust_is_logged_by_source():
     fit = T.trust(run, recs, replayed=True)
     phi = lambda z: 0.5 * (1 + __import__("math").erf(z / 2 ** 0.5))   # noqa: E731
     assert [r.trust for r in recs] == pytest.approx([phi(2.5), 0.0, phi(-1.0)])   # raw: Φ(g/√v); uninformative: 0
-    m = T.trust_metrics(recs, fit)
+    m = step_log.trust_metrics(recs, fit)
     assert m["replay/won_gain"] == pytest.approx(0.25) and m["replay/lost_gain"] == pytest.approx(-0.2)
     assert m["trust/won_mean"] == pytest.approx(phi(2.5) / 2)
     assert m["trust/lost_mean"] == pytest.approx(phi(-1.0))

@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as T  # noqa: E402
+from harness import step_log  # noqa: E402
 from harness.run import Run  # noqa: E402
 from rollout import Episode  # noqa: E402
 from skills import SKILL_PREFIX, SkillBank  # noqa: E402
@@ -138,7 +139,7 @@ def test_skill_rewards_are_eq5_per_type_without_the_failed_replays():
 def test_skill_metrics_count_the_written_the_valid_and_their_rewards():
     args = T.Args(algo="rsipo", group_size=2)
     recs = _records(args) + [T.TaskRecord("f", "pick", source=None)]   # wrote no skill
-    m = T.skill_metrics(_run(args), recs)
+    m = step_log.skill_metrics(_run(args), recs)
     assert m["skill/written_frac"] == pytest.approx(5 / 6) and m["skill/valid_frac"] == pytest.approx(4 / 5)
     # Eq. (5)'s g̃ of the five that wrote one: 0.6, 0.2, −1 (replay failed: no gain, r_bad here), −1, 0.5
     assert m["skill/reward_mean"] == pytest.approx((0.6 + 0.2 - 1 - 1 + 0.5) / 5)
@@ -182,6 +183,53 @@ def test_the_bank_keeps_replayed_skills_whose_shrunk_gain_is_positive():
     T.keep_skills(run, recs, step=4)
     kept = run.bank.best("pick", 8)
     assert [(e.text, e.mean_gain, e.shrunk_gain, e.step) for e in kept] == [("keep", 0.4, 0.1, 5)]
+
+
+# ---- bank_teachers (§2.10) [ours] -------------------------------------------------------------------------
+
+def test_the_bank_teaches_a_task_without_a_trusted_skill_its_types_best_skill_made_over():
+    args = T.Args(algo="rsipo", group_size=2, bank_teacher=True)
+    run = _run(args)
+    run.bank.add("clean", "clean the bowl at the sinkbasin, then put the bowl in the cabinet.", 0.5, 0.3, "g1", 1,
+                 trust=0.6, task="put a clean bowl in cabinet.")
+    run.bank.add("clean", "a weaker skill about the bowl", 0.2, 0.1, "g2", 1, trust=0.9, task="put a clean bowl in cabinet.")
+    recs = [T.TaskRecord("t1", "clean", skill="its own", trust=0.7, task="put a clean cup in desk."),   # trusted
+            T.TaskRecord("t2", "clean", task="put a clean mug in shelf."),                     # no win, no skill
+            T.TaskRecord("t3", "clean", skill="no evidence", trust=0.0, task="put a clean pan in drawer."),
+            T.TaskRecord("t4", "heat", task="put a hot egg in fridge.")]                       # no heat skill banked
+    T.bank_teachers(run, recs)
+    t1, t2, t3, t4 = recs
+    assert (t1.bank_skill, t1.trust, t1.teacher_skill()) == (None, 0.7, "its own")
+    assert t2.bank_skill == "clean the mug at the sinkbasin, then put the mug in the shelf." and t2.trust == 0.6
+    assert t2.teacher_skill() == t2.bank_skill and t2.skill is None      # the written skill stays as it was
+    assert t3.bank_skill == "clean the pan at the sinkbasin, then put the pan in the drawer." and t3.skill == "no evidence"
+    assert (t4.bank_skill, t4.trust) == (None, 0.0)                      # an empty type teaches nothing
+    m = step_log.trust_metrics(recs, None, bank=len(run.bank))
+    assert m["bank/taught"] == 2.0 and m["bank/trust_mean"] == pytest.approx(0.6) and m["bank/skills"] == 2.0
+    assert "bank/taught" not in step_log.trust_metrics(recs, None)       # without the flag: no bank figures
+    # an empty bank early in a run: no task is taught, and the step says 0
+    empty = [T.TaskRecord("t2", "clean", task="put a clean mug in shelf.")]
+    T.bank_teachers(_run(args), empty)
+    assert empty[0].bank_skill is None and step_log.trust_metrics(empty, None, bank=0)["bank/taught"] == 0.0
+
+
+def test_bank_teacher_settings_that_cannot_work_are_refused_before_any_rollout(tmp_path):
+    with pytest.raises(SystemExit, match="--bank_teacher needs --algo rsipo"):
+        T.parse_args(["--algo", "opsd", "--bank_teacher", "true"])
+    bad = tmp_path / "bank.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match=f"--skill_bank {bad}: not a skill bank file"):
+        T.setup(T.parse_args(["--algo", "rsipo", "--skill_bank", str(bad), "--out_dir", str(tmp_path)]))
+    good = tmp_path / "good.json"
+    b = SkillBank(4)
+    b.add("clean", "wash it", 0.5, 0.3, "g", 1, trust=0.5, task="put a clean mug in shelf.")
+    b.save(str(good))
+    from harness.run import initial_bank
+    data = type("Data", (), {"train": ["a", "b"], "task_type": {"a": "clean", "b": "clean"}})()
+    assert initial_bank(T.parse_args(["--algo", "rsipo", "--skill_bank", str(good)]), data).to_dict() == b.to_dict()
+    data.task_type["b"] = ""
+    with pytest.raises(SystemExit, match="--bank_teacher: 1 training tasks have no task type"):
+        initial_bank(T.parse_args(["--algo", "rsipo", "--bank_teacher", "true"]), data)
 
 
 # ---- rl_step: which sections run ---------------------------------------------------------------------------

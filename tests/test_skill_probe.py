@@ -192,6 +192,26 @@ def test_own_mode_runs_end_to_end(tmp_path):
     assert g["rule_share"] == 1.0                            # the generic workflow names the object and target
 
 
+def test_cross_skills_take_another_games_skill_made_over_and_its_wrong_procedure():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import random
+    import skill_probe
+    import envs
+    from skills import adapt_skill
+    medium = ROOT / "data" / "alfworld_medium"
+    cleans = [g for g in list_games(str(medium), "valid_unseen") if "pick_clean" in g][:3]
+    own = {g: tiny.game_rule_skills(tiny.walkthrough_of(g))[0] for g in cleans[:2]}   # the third wrote none
+    (_, raw), (_, made), (_, wrong) = skill_probe.cross_skills(cleans, own, random.Random(0))
+    assert set(raw) == set(cleans)                       # each game gets a skill of another game of its type
+    for g in cleans:
+        src = next(h for h in own if own[h] == raw[g] and h != g)
+        terms, src_terms = (envs.task_terms(skill_probe._task_of(x)) for x in (g, src))
+        assert made[g] == adapt_skill(raw[g], src_terms, terms)
+        assert all(t in made[g] for t in terms)           # it names this game's object and target
+        assert wrong[g] == made[g].replace("go to the sinkbasin and clean the", "go to the fridge and cool the")
+        assert wrong[g] != made[g]
+
+
 def test_premise_check_goes_only_past_both_bars():
     sys.path.insert(0, str(ROOT / "scripts"))
     import skill_probe

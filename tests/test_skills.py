@@ -8,7 +8,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from skills import SKILL_PREFIX, SkillBank, SkillEntry, analyzer_prompt, insert_skill, parse_skill  # noqa: E402
+from skills import (SKILL_PREFIX, SkillBank, SkillEntry, adapt_skill, analyzer_prompt, insert_skill,  # noqa: E402
+                    parse_skill)
 
 STEPS = [
     ("You are in the middle of a room. You see a cabinet 1, a fridge 1.", "go to countertop 1"),
@@ -272,7 +273,7 @@ def test_bank_save_load_roundtrip(tmp_path):
     b.save(str(path))
     assert sorted(os.listdir(path.parent)) == ["skills.json"]  # no temp file left
     text = path.read_text()
-    assert text.startswith('{\n  "version": 1,\n  "capacity": 4,\n')  # pretty, readable
+    assert text.startswith('{\n  "version": 2,\n  "capacity": 4,\n')  # pretty, readable
     c = SkillBank.load(str(path))
     assert c.to_dict() == b.to_dict()
     assert c.capacity == 4 and len(c) == 2
@@ -303,12 +304,12 @@ def test_bank_save_failure_keeps_old_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize("content, match", [
     ("{not json", "invalid JSON"),
     ("[]", "'skills' object"),
-    ('{"version": 2, "capacity": 8, "skills": {}}', "version 2"),
-    ('{"version": 1, "capacity": 0, "skills": {}}', "capacity"),
-    ('{"version": 1, "capacity": 8, "skills": {"clean": {}}}', "must be a list"),
-    ('{"version": 1, "capacity": 8, "skills": {"clean": [{"text": "x"}]}}', "exactly the keys"),
-    ('{"version": 1, "capacity": 8, "skills": {"clean": [{"text": "x", "task_type": "clean", '
-     '"task_id": "g", "step": "1", "uses": 1, "mean_gain": 0.1, "shrunk_gain": 0.1}]}}', "'step'"),
+    ('{"version": 1, "capacity": 8, "skills": {}}', "version 1, expected 2"),   # a bank without trust and task
+    ('{"version": 2, "capacity": 0, "skills": {}}', "capacity"),
+    ('{"version": 2, "capacity": 8, "skills": {"clean": {}}}', "must be a list"),
+    ('{"version": 2, "capacity": 8, "skills": {"clean": [{"text": "x"}]}}', "exactly the keys"),
+    ('{"version": 2, "capacity": 8, "skills": {"clean": [{"text": "x", "task_type": "clean", "task_id": "g", '
+     '"step": "1", "uses": 1, "mean_gain": 0.1, "shrunk_gain": 0.1, "trust": 0.5, "task": "t"}]}}', "'step'"),
 ])
 def test_bank_load_malformed(tmp_path, content, match):
     path = tmp_path / "skills.json"
@@ -316,6 +317,28 @@ def test_bank_load_malformed(tmp_path, content, match):
     with pytest.raises(ValueError, match=match) as info:
         SkillBank.load(str(path))
     assert str(path) in str(info.value)
+
+
+def test_bank_keeps_each_skills_trust_and_task_sentence():
+    b = SkillBank()
+    b.add("clean", "wash the bowl at the sinkbasin", 0.5, 0.3, "g1", 1, trust=0.8, task="put a clean bowl in cabinet.")
+    b.add("clean", "wash the bowl at the sinkbasin", 0.25, 0.2, "g2", 2, trust=0.6, task="other sentence")
+    (e,) = b.skills["clean"]
+    assert (e.trust, e.task, e.task_id) == (0.6, "put a clean bowl in cabinet.", "g1")   # last λ, first task
+
+
+def test_adapt_skill_puts_the_new_tasks_object_and_target_in_place():
+    skill = "take the Bowl from cabinet 2; clean the bowl at the sinkbasin; put the bowls in the cabinet."
+    assert adapt_skill(skill, ("bowl", "cabinet"), ("mug", "shelf")) == \
+        "take the mug from shelf 2; clean the mug at the sinkbasin; put the mugs in the shelf."
+    # the roles swap at once, not one after the other
+    assert adapt_skill("move the pan to the pot", ("pan", "pot"), ("pot", "pan")) == "move the pot to the pan"
+    # whole words only: "cup" is no part of "cupboard"
+    assert adapt_skill("take the cup from the cupboard", ("cup", "shelf"), ("mug", "desk")) == \
+        "take the mug from the cupboard"
+    # no terms (search QA), a different number, or repeated source terms: unchanged
+    for src, dst in (((), ()), (("bowl",), ("mug", "shelf")), (("bowl", "bowl"), ("mug", "shelf"))):
+        assert adapt_skill(skill, src, dst) == skill
 
 
 def test_bank_summary():

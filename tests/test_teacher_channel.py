@@ -1,5 +1,5 @@
 """The teacher channel's diagnostics: --teacher_skill generic (each game's type-level workflow as the teacher's
-skill) and the teacher − student gap on the tool actions of a procedure against the rest (train.teacher_gaps)."""
+skill) and the teacher − student gap on the tool actions of a procedure against the rest (harness.step_log.teacher_gaps)."""
 import copy
 import dataclasses
 import math
@@ -16,6 +16,7 @@ import envs  # noqa: E402
 import rsipo  # noqa: E402
 import rollout  # noqa: E402
 import train as T  # noqa: E402
+from harness import step_log  # noqa: E402
 from harness import config, tiny  # noqa: E402
 from infra import distributed as D  # noqa: E402
 from harness.run import Run  # noqa: E402
@@ -57,7 +58,7 @@ def test_teacher_gaps_split_tool_actions_from_the_rest():
         turn = Turn([1], [2, 3], [], False, "g", "clean", 0, 0, step,
                     response_text=f"<think> </think> <action> {action} </action>")
         return T.Sample([1], [2, 3], 0.0, torch.tensor(old), teacher=torch.tensor(teacher), turn=turn)
-    gaps = T.teacher_gaps(run, [sample("go to sinkbasin 1", [-1.0, -0.5], [-2.0, -1.5]),     # +1, +1
+    gaps = step_log.teacher_gaps(run, [sample("go to sinkbasin 1", [-1.0, -0.5], [-2.0, -1.5]),     # +1, +1
                                 sample("clean mug 1 with sinkbasin 1", [-1.0, -1.0], [-1.0, -4.0]),   # 0, +3
                                 sample("go to shelf 1", [-2.0, -2.0], [-1.0, -1.5], step=7)])    # -1, -0.5
     assert gaps["teacher/gap_tool"] == pytest.approx(5 / 4) and gaps["teacher/tokens_tool"] == 4
@@ -70,7 +71,7 @@ def test_teacher_gaps_split_tool_actions_from_the_rest():
     assert gaps["teacher/gap_turn0"] == pytest.approx(5 / 4) and gaps["teacher/gap_turn5plus"] == pytest.approx(-0.75)
     assert "teacher/gap_turn1" not in gaps                                # no turn there
     run.tool_action = None                    # no preset that knows the tools: every turn is "other"
-    keys = set(T.teacher_gaps(run, [sample("go to sinkbasin 1", [0.0, 0.0], [0.0, 0.0])]))
+    keys = set(step_log.teacher_gaps(run, [sample("go to sinkbasin 1", [0.0, 0.0], [0.0, 0.0])]))
     assert {"teacher/gap_other", "teacher/tokens_other"} <= keys and not any("tool" in k for k in keys)
 
 
@@ -326,3 +327,30 @@ def test_the_wrong_place_skill_names_another_receptacle_the_walkthrough_saw_with
     places = [tiny.wrong_place_skill_of_game(str(g)) for g in games]
     assert len(games) == 180 and all(places)
     assert all(w != tiny.oracle_skill_of_game(str(g)) for g, w in zip(games, places))
+
+
+def test_a_tiny_rsipo_step_with_the_bank_teacher_teaches_the_groups_without_a_win(tmp_path):
+    # a randomly initialised policy wins nothing, so no group writes a skill: with --bank_teacher every task is
+    # taught by the bank's clean skill (--skill_bank), made over for its own object and target
+    from skills import SkillBank
+    bank = SkillBank(8)
+    bank.add("clean", "go to the sinkbasin and clean the bowl with it; then go to the cabinet and move the bowl to it.",
+             0.5, 0.3, "g", 1, trust=0.75, task="put a clean bowl in cabinet.")
+    bank.save(str(tmp_path / "bank.json"))
+    argv = ["--algo", "rsipo", "--bank_teacher", "true", "--skill_bank", str(tmp_path / "bank.json"), "--sft_steps",
+            "0", "--eval", "false", "--tasks_per_step", "2", "--group_size", "2", "--max_turns", "3", "--tiny_hidden",
+            "32", "--opsd_keep", "1", "--teacher_loss", "topk", "--teacher_weights", "ema", "--out_dir", str(tmp_path),
+            "--run_name", "bank"]
+    run = T.setup(T.parse_args(argv))
+    try:
+        T.build_policy(run)
+        T.begin(run)
+        run.preempt = type("NoSignal", (), {"check": staticmethod(lambda: None), "seen": False})()
+        row = T.rl_step(run, 0)
+    finally:
+        T.teardown(run)
+    assert row["train/success"] == 0 and row["skill/written_frac"] == 0
+    assert row["bank/taught"] == 2 and row["bank/trust_mean"] == 0.75 and row["trust/frac_teacher"] == 1.0
+    assert row["opsd/kl"] >= 0 and row["teacher/skill_token_share"] > 0.5
+    text = (tmp_path / "bank" / "teacher_prompt.txt").read_text()
+    assert "bowl" not in text and "go to the sinkbasin and clean the" in text   # made over for its own task
