@@ -64,8 +64,8 @@ import rsipo
 import shrinkage
 from harness import tiny
 from harness.config import Args, parse_args
-from harness.run import (Preemption, Run, Sections, build_policy, compute_dtype, evaluate_and_print, finish, log_row,
-                         progress, resume, save, save_policy, setup, teardown, watch_step)
+from harness.run import (Preemption, Run, Sections, build_policy, compute_dtype, evaluate_and_print, finish,
+                         load_policy, log_row, progress, resume, save, save_policy, setup, teardown, watch_step)
 from harness.sft import load_sft_jsonl, sft
 from harness.calibration import calibrate
 from harness.step_log import step_row
@@ -831,6 +831,13 @@ def warm_start(run: Run):
     """SFT on --sft_data (or the tiny preset's walkthroughs), saved as warm_start/. [ours] A SIGTERM during the
     SFT ends it after the current step with its state in <run>/sft (harness/sft.py) and exits 143."""
     a = run.args
+    done = run.run_dir / "warm_start"
+    if (done / "config.json").exists():   # [ours] this run's warm start is complete (a kill came before the first
+        exact = load_policy(run, done)    # checkpoint): taken as it is, never trained again
+        print0(f"warm start: {done} is complete; taken as it is, not trained again"
+               + ("" if exact else " (its random streams were not saved: the run draws fresh ones)"))
+        sync_weights(run)
+        return
     pairs = load_sft_jsonl(a.sft_data) if a.sft_data else (
         tiny.warm_start_pairs(a, run.data, run.pool, skills=a.uses_skills) if a.model == "tiny" else [])
     if pairs and a.sft_steps:
@@ -841,14 +848,14 @@ def warm_start(run: Run):
                                                             state_dir=run.run_dir / "sft")
             run.summary["sft/final_loss"] = loss
         if stopped:
-            print0("preempted (SIGTERM) during the warm start: its state is saved in sft/; the same command "
-                   "continues it")
-            raise SystemExit(143)
+            print0(f"preempted ({run.preempt.name}) during the warm start: its state is saved in sft/; the same "
+                   "command continues it")
+            raise SystemExit(run.preempt.exit_code)
         print0(f"sft: {len(pairs)} samples, {a.sft_steps} steps, final loss {loss:.4f}, {time.time() - t0:.0f}s")
     sync_weights(run)
     if pairs and a.sft_steps:             # the warm-started policy: reusable with --model, and the reference
         with run.phases("save_policy"):
-            save_policy(run, run.run_dir / "warm_start")
+            save_policy(run, run.run_dir / "warm_start", rng=all_gather_obj(D.rng_states()))
         if D.RANK == 0:                   # the SFT's own state is no longer needed
             shutil.rmtree(run.run_dir / "sft", ignore_errors=True)
 
@@ -933,8 +940,10 @@ def main(argv=None) -> dict:
                 save(run, step + 1)
             done = step + 1
             guard.stop_if_seen(run, done)
-            if out_of_budget:
-                print0(f"env-step budget {a.max_env_steps} reached after step {step + 1}")
+            if out_of_budget:             # [ours] the budget ends the run, --steps or not: said so
+                print0(f"env-step budget {a.max_env_steps} reached after step {step + 1}" + (
+                    f"; warning: that is before --steps {a.steps}, so --max_env_steps ends the run (raise it, or 0 "
+                    "for no budget)" if step + 1 < a.steps else ""))
                 break
         guard.phase(run, lambda: finish(run), done=done)   # cut short in the final evaluation: redone on resume
     finally:
@@ -948,8 +957,8 @@ if __name__ == "__main__":
     try:
         main()
     except SystemExit as e:
-        if e.code == 143:                 # preempted: the checkpoint is on disk and the pools are closed
-            D.exit_process(143)
+        if e.code in (130, 143):          # preempted: the checkpoint is on disk and the pools are closed
+            D.exit_process(e.code)
         raise
     if D.WORLD > 1:                       # every output written and the group destroyed: no gloo teardown abort
         D.exit_process(0)

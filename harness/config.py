@@ -117,7 +117,10 @@ class Args:
     out_dir: str = arg("runs", "folder for runs", path=True)
     seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
     algo: str = arg("rsipo", "rsipo | grpo | gigpo | opsd (METHOD.md §3; gigpo is GRPO with --step_adv 1)")
-    resume: bool = arg(True, "resume from <run>/ckpt if it exists")
+    resume: bool = arg(True, "resume from <run>/ckpt if it exists (every flag but RESUME_MAY_CHANGE must be the "
+                       "checkpoint's)")
+    overwrite: bool = arg(False, "with --resume false: clear a run folder that holds a run and start over in it "
+                          "(without it such a run is refused)")
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
     dist_timeout: float = arg(60.0, "[ours] minutes a collective may wait for the slowest rank before the run is "
                               "aborted (torch's NCCL default, 10, is shorter than one rank's share of a 7B evaluation)")
@@ -312,6 +315,9 @@ class Args:
         for f, options in CHOICES.items():
             if getattr(self, f) not in options:
                 bad(f, f"must be one of {', '.join(map(str, options))}, got {getattr(self, f)!r}")
+        if not self.run_name.strip() or self.run_name in (".", "..") or "/" in self.run_name:
+            bad("run_name", f"{self.run_name!r}: give the run a folder name of its own (outputs go to "
+                "<out_dir>/<run_name>/)")
         if self.teacher_skill != "own" and (self.algo != "opsd" or self.env != "alfworld"):
             bad("teacher_skill", f"{self.teacher_skill} needs --algo opsd and --env alfworld (got {self.algo}, "
                 f"{self.env})")
@@ -373,6 +379,14 @@ def check_teacher_support(a: Args, vocab: int):
                          f"log-probs ({4 * vocab / 1024:.0f} KiB) per response token, above the bound of "
                          f"{FULL_VOCAB_MAX} tokens: use --teacher_loss topk (--teacher_topk 32: 260 bytes a token)")
 
+
+# [ours] The flags a resumed run may set otherwise than its checkpoint (harness.run_dir.changed_flags): its budget,
+# how often it evaluates and saves, where its folder lies, how it runs on the hardware (memory, workers, timeouts).
+# Any other difference mixes two configurations in one run, and is refused.
+RESUME_MAY_CHANGE = ("steps", "max_env_steps", "eval_every", "save_every", "eval", "check_disk", "resume", "overwrite",
+                     "out_dir", "run_name", "wandb", "cache_dir", "dist_timeout", "env_workers", "micro_batch",
+                     "micro_tokens", "sft_micro_tokens", "grad_ckpt", "gpu_memory_utilization", "vllm_sleep_level",
+                     "retriever_url", "retrieval_timeout", "retrieval_batch")
 
 # What Args.validate checks flag by flag: (flags, test, what the test asks), and each flag's options.
 RULES = [

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from harness import tiny
-from harness.config import changed_defaults, check_teacher_support
+from harness.config import RESUME_MAY_CHANGE, changed_defaults, check_teacher_support
 from harness.tiny import is_tiny
 from infra import distributed as D
+from harness import run_dir as run_dir_lib
 from infra.distributed import (agreed_checkpoints, all_gather_obj, all_reduce, check_resume, full_state,
                                load_checkpoint, print0, save_checkpoint)
 from infra.io import jsonl_lines, write_json
@@ -138,7 +139,8 @@ class Preempted(Exception):
 
 
 class Preemption:
-    """[ours] SIGTERM, a scheduler's notice before it kills the job, stops the run with at most one step lost.
+    """[ours] SIGTERM, a scheduler's notice before it kills the job, stops the run with at most one step lost; so does
+    SIGINT (Ctrl-C; a second Ctrl-C stops at once, without a checkpoint).
     The handler only records the signal (`seen`: a rank's rollouts and evaluations stop at their next turn,
     `Run.stop_now`, and the SFT after its current step); the ranks agree on it with `requested()`, a collective
     that every rank calls at the same points: each SFT step, after an evaluation, before the first step,
@@ -151,13 +153,21 @@ class Preemption:
     cut short, so the grace period must outlast them (METHOD.md §5.3; recipes/README.md)."""
 
     def __init__(self):
-        self.seen = False
-        self.previous = signal.signal(signal.SIGTERM, self._record)   # the main thread's handler
+        self.seen, self.name = False, "SIGTERM"
+        self.previous = {s: signal.signal(s, self._record) for s in (signal.SIGTERM, signal.SIGINT)}   # main thread's
 
     def _record(self, signum, frame):
+        if self.seen and signum == signal.SIGINT:   # Ctrl-C a second time: stop at once, without a checkpoint
+            raise KeyboardInterrupt
         if not self.seen:
-            print(f"[rank {D.RANK}] SIGTERM: the run stops at the next safe point and writes a checkpoint", flush=True)
+            self.name = signal.Signals(signum).name
+            print(f"[rank {D.RANK}] {self.name}: the run stops at the next safe point and writes a checkpoint"
+                  + (" (Ctrl-C again: at once, without one)" if signum == signal.SIGINT else ""), flush=True)
         self.seen = True
+
+    @property
+    def exit_code(self) -> int:           # 128 + the signal's number, as a shell reports it
+        return 130 if self.name == "SIGINT" else 143
 
     def requested(self) -> bool:
         """Whether any rank has seen SIGTERM (a collective: all ranks call it at the same point)."""
@@ -197,7 +207,8 @@ class Preemption:
             stop_preempted(run, done)
 
     def close(self):
-        signal.signal(signal.SIGTERM, self.previous)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def snapshot(run: "Run") -> dict:
@@ -227,12 +238,13 @@ def restore(run: "Run", snap: dict):
 
 
 def stop_preempted(run: "Run", done: int):
-    """Write the checkpoint after `done` steps (unless the newest one is that) and exit with 143."""
+    """Write the checkpoint after `done` steps (unless the newest one is that) and exit with 143 (SIGTERM) or 130
+    (SIGINT, Ctrl-C)."""
     newest = agreed_checkpoints(run.run_dir)   # rank 0's listing: every rank saves, or none
     if not newest or int(newest[0].name[5:]) != done:
         save(run, done)
-    print0(f"preempted (SIGTERM): checkpoint of step {done} written; the same command resumes from it")
-    raise SystemExit(143)
+    print0(f"preempted ({run.preempt.name}): checkpoint of step {done} written; the same command resumes from it")
+    raise SystemExit(run.preempt.exit_code)
 
 
 def save(run: "Run", done: int):
@@ -303,7 +315,17 @@ def log_row(run: "Run", row: dict):
 
 def resolve_model(args) -> str:
     """--model as a path or hub name: 'tiny' stays (built from a config), a preset of tiny.MODELS
-    ('smollm2') becomes its converted folder in --cache_dir (rank 0 converts, the others wait)."""
+    ('smollm2') becomes its converted folder in --cache_dir (rank 0 converts, the others wait). A name that can
+    only be a path (it starts with / . ~ or has more than one /) must exist, and a folder must hold a Hugging Face
+    model (config.json): else an error that says so, not a hub lookup or a tokenizer's traceback."""
+    path = Path(args.model)
+    if args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1 or path.exists():
+        if not path.exists():
+            raise SystemExit(f"error: --model {args.model}: no such file or folder (a hub name is org/name, e.g. "
+                             "Qwen/Qwen2.5-7B-Instruct)")
+        if not (path / "config.json").exists():
+            raise SystemExit(f"error: --model {args.model}: not a Hugging Face model folder (no config.json): give "
+                             "the folder that holds config.json and the weights (a run's warm_start/ or final/)")
     if args.model not in tiny.MODELS:
         return args.model
     convert = tiny.MODELS[args.model]
@@ -360,6 +382,33 @@ def too_few_cores(cores: Optional[int], local_ranks: int, env_workers: int) -> O
             "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK (recipes/README.md)")
 
 
+def claim_run_dir(run_dir: Path, args):
+    """[ours] The run's folder, for this run alone (harness/run_dir.py; rank 0 decides, every rank stops on its
+    verdict before any compute): made (a read-only --out_dir is said so), locked against a second run, and, under
+    --resume false, refused where it holds a run unless --overwrite, which clears it."""
+    why = None
+    if D.RANK == 0:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            why = run_dir_lib.claim(run_dir)
+        except OSError as e:
+            why = (f"error: --out_dir {args.out_dir}: cannot write the run folder {run_dir} ({e.strerror}): give "
+                   "--out_dir a folder this user may write to")
+        held = run_dir_lib.holds_a_run(run_dir) if not why and not args.resume else []
+        if held and not args.overwrite:
+            why = (f"error: --resume false on {run_dir}, which holds a run ({', '.join(held)}): it would be "
+                   "overwritten. Give --overwrite true to start it over (its files are deleted), drop --resume "
+                   "false to resume it, or use another --run_name")
+        elif held:
+            run_dir_lib.clear(run_dir)
+            print0(f"--overwrite: cleared {run_dir} ({', '.join(held)}); the run starts over")
+        if why and (run_dir / run_dir_lib.LOCK).exists():
+            run_dir_lib.release(run_dir)
+    why = all_gather_obj(why)[0]
+    if why:
+        raise SystemExit(why)
+
+
 def setup(args) -> "Run":
     """Ranks, seeds, the tasks and the env pool; refuses a checkpoint of other core flags before any compute.
     A real model on a machine whose NVIDIA GPU torch cannot see is said plainly (it would run on the CPU)."""
@@ -375,9 +424,20 @@ def setup(args) -> "Run":
             print0(f"warning: {few}")
     D.seed_rank(args.seed)
     run_dir = Path(args.out_dir) / args.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if args.resume:
-        check_resume(run_dir, args)
+    claim_run_dir(run_dir, args)
+    try:
+        return open_run(args, run_dir)
+    except BaseException:                 # refused or failed: the folder is free again
+        if D.RANK == 0:
+            run_dir_lib.release(run_dir)
+        raise
+
+
+def open_run(args, run_dir: Path) -> "Run":
+    """`setup`'s part once the folder is this run's: the flags checked against the run's own, the tasks, then the
+    env pool, the last thing, so that every refusal comes before a worker starts."""
+    if args.resume:                       # every flag but RESUME_MAY_CHANGE as the run was written with
+        check_resume(run_dir, args, RESUME_MAY_CHANGE, fallback=run_dir / "config.json")
     if args.tasks_per_step < D.WORLD:
         raise SystemExit(f"error: --tasks_per_step {args.tasks_per_step} must be >= the number of ranks ({D.WORLD})")
     if args.engine == "vllm" and not dist.is_initialized():
@@ -389,6 +449,7 @@ def setup(args) -> "Run":
                              f"{args.data_root} has no game of that type (it has "
                              f"{', '.join(sorted(set(data.train_types)))}), so RL could not find its procedure")
         bank = initial_bank(args, data)   # a bank file that does not parse: refused before any worker starts
+        given = given_skills(args, data)
         pool = make_pool(args, data)
     except EnvDataError as e:
         raise SystemExit(f"error: {e}") from None
@@ -402,7 +463,7 @@ def setup(args) -> "Run":
                task_rng=random.Random(args.seed * 7919 + 1), skill_rng=random.Random(args.seed * 104729 + D.RANK),
                bank=bank,
                skill_facts=tiny.skill_facts_of_game if args.env == "alfworld" else None,
-               given_skill=given_skills(args, data),
+               given_skill=given,
                tool_action=tiny.tool_action if args.env == "alfworld" else None)
 
 
@@ -537,10 +598,10 @@ def _chunks(xs: list, n: int):
     return [xs[i:i + n] for i in range(0, len(xs), n)]
 
 
-def save_policy(run: "Run", path: Path):
+def save_policy(run: "Run", path: Path, rng: Optional[list] = None):
     """A Hugging Face checkpoint of the policy: the only full-state copy (rank 0 writes; a collective). Written
     to <path>.tmp and renamed to `path` (a link there, e.g. final/ → warm_start/, is replaced, not written through),
-    so a crash leaves a complete copy or none."""
+    so a crash leaves a complete copy or none. `rng`: every rank's generator states, kept beside it as rng.pt."""
     tmp = path.with_name(path.name + ".tmp")
     if D.RANK == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -553,12 +614,31 @@ def save_policy(run: "Run", path: Path):
             run.model.save_pretrained(tmp, state_dict=sd)
     if D.RANK == 0:
         run.tok.save_pretrained(tmp)
+        if rng is not None:
+            torch.save(rng, tmp / "rng.pt")
         if path.is_symlink() or path.is_file():
             path.unlink()
         elif path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
     D.barrier()
+
+
+def load_policy(run: "Run", path: Path) -> bool:
+    """The policy's weights from a Hugging Face folder `save_policy` wrote (rank 0 reads it; under FSDP2 its tensors
+    are broadcast into every rank's shards), and every rank's generator states from its rng.pt. Returns whether
+    the states were there (without them the run goes on with the streams it has)."""
+    from transformers import AutoModelForCausalLM
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict() if D.RANK == 0 else {}
+    if dist.is_initialized():
+        set_model_state_dict(run.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        run.model.load_state_dict(full)
+    rng = path / "rng.pt"
+    if rng.exists():
+        D.set_rng_states(torch.load(rng, weights_only=False), "warm-start")
+    return rng.exists()
 
 
 def finish(run: "Run"):
@@ -609,6 +689,10 @@ def finish(run: "Run"):
     print0(f"summary: success at start {s.get('eval/success_at_start')} → end {s.get('eval/success')} "
            f"| {run.run_dir / 'summary.json'}")
     D.barrier()                           # every rank done before any tears down (gloo aborts a rank left behind)
+    if run.stepped and not s.get("env/ok_episodes"):   # a run that played no episode to its end: not a success
+        raise SystemExit(f"error: every episode of this run ended in an env error (the first: "
+                         f"{s.get('env/first_error')}): the environment is broken (its data, the env workers, the "
+                         "retriever), and nothing was learned")
 
 
 def teardown(run: Optional["Run"]):
@@ -620,6 +704,8 @@ def teardown(run: Optional["Run"]):
     finally:
         if run is not None:               # preempted: no time to wait for the env workers to stop on their own
             run.pool.close(timeout=0.1 if run.stop_now() else 5.0)
+            if D.RANK == 0:
+                run_dir_lib.release(run.run_dir)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -663,6 +749,8 @@ def resume(run: "Run") -> bool:
     path = run.run_dir / "metrics.jsonl"
     rows = [r for _, r in jsonl_lines(path) if isinstance(r, dict)] if path.exists() else []
     run.rows = [r for r in rows if r.get("step", 0) <= run.start]
+    if D.RANK == 0 and len(run.rows) < len(rows):   # rows of steps after the checkpoint (lost to a kill): cut
+        run_dir_lib.cut_rows(path, run.start)
     run.env_steps = next((r["train/env_steps_total"] for r in reversed(run.rows) if "train/env_steps_total" in r), 0)
     print0(f"resumed from {state['path']} at step {run.start}" + (" (weights match the checksum saved with them)"
                                                                    if state.get("checksum") else ""))

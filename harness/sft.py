@@ -17,21 +17,55 @@ from rollout import chat_ids, collate, token_logprobs_of
 
 
 def load_sft_jsonl(path: str) -> list[tuple[str, str]]:
-    """Chat samples: {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]} or {"prompt", "response"}."""
+    """Chat samples from --sft_data: JSONL lines {"messages": [..., {"role": "user", ...}, {"role": "assistant",
+    ...}]} or {"prompt", "response"}; or a parquet file (`load_sft_parquet`)."""
+    if path.endswith(".parquet"):
+        return load_sft_parquet(path)
     out = []
     for n, d in jsonl_lines(path):
         try:
             if isinstance(d, ValueError):
                 raise d
-            if "messages" in d:
-                m = d["messages"]
-                out.append((m[-2]["content"], m[-1]["content"]))
-            else:
-                out.append((d["prompt"], d["response"]))
+            out.append(chat_pair(d))
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise SystemExit(f"error: --sft_data {path}:{n}: not a chat sample ({e})")
     if not out:
         raise SystemExit(f"error: --sft_data {path} holds no samples")
+    return out
+
+
+def chat_pair(d: dict) -> tuple[str, str]:
+    """(the last user turn, the assistant's answer) of one sample: chat messages, or a prompt and a response."""
+    if "messages" in d:
+        m = list(d["messages"])
+        return m[-2]["content"], m[-1]["content"]
+    return d["prompt"], d["response"]
+
+
+def load_sft_parquet(path: str) -> list[tuple[str, str]]:
+    """[ours] Chat samples from a parquet file, as published SFT sets come: a `messages` column (lists of {role,
+    content}) or `prompt` and `response` columns of text. Says which it found; a file with neither is an error
+    naming the columns it has."""
+    import pyarrow.parquet as pq
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise SystemExit(f"error: --sft_data {path}: not a readable parquet file ({type(e).__name__}: {e})")
+    cols = set(table.column_names)
+    use = ["messages"] if "messages" in cols else ["prompt", "response"] if {"prompt", "response"} <= cols else None
+    if use is None:
+        raise SystemExit(f"error: --sft_data {path}: a parquet file needs a 'messages' column or 'prompt' and "
+                         f"'response' columns; it has {', '.join(sorted(cols))}")
+    rows = table.select(use).to_pylist()
+    out = []
+    for n, d in enumerate(rows):
+        try:
+            out.append(chat_pair(d))
+        except (KeyError, IndexError, TypeError) as e:
+            raise SystemExit(f"error: --sft_data {path}: row {n} is not a chat sample ({type(e).__name__}: {e})")
+    if not out:
+        raise SystemExit(f"error: --sft_data {path} holds no samples")
+    print0(f"--sft_data {path}: {len(out)} samples from the parquet column(s) {', '.join(use)}")
     return out
 
 
@@ -85,7 +119,7 @@ def sft(model, tok, pairs: list[tuple[str, str]], args, device, stop: Optional[C
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / max(1, args.sft_steps))))
     start, loss, skipped = 0, float("nan"), 0
     if state_dir is not None and D.agreed_checkpoints(state_dir):   # a warm start that a SIGTERM stopped
-        D.check_resume(state_dir, args)
+        D.check_resume(state_dir, args, RESUME_MAY_CHANGE)
         st = D.load_checkpoint(state_dir, model, opt)
         start, loss, skipped = st["step"], st["extra"]["loss"], st["extra"]["skipped"]
         saved = st["extra"]["rng"]       # one sampler state per rank of the stopped run

@@ -11,7 +11,7 @@ import numpy as np
 
 from harness.config import Args
 from harness.run import Run
-from infra.distributed import all_reduce, all_reduce_named, print0
+from infra.distributed import all_gather_obj, all_reduce, all_reduce_named, print0
 from rollout import sampler_gap
 
 # The annotations name train.py's records (Batch, Sample, TaskRecord): strings, never evaluated; nothing imports train.
@@ -39,6 +39,12 @@ def step_row(run: Run, step: int, b: Batch, samples: list[Sample], skill_samples
         "env_steps": sum(len(e.steps) for e in eps), "prompt_overflow": sum(e.overflow for e in eps),
         "teacher_overflow": b.teacher_overflow})
     run.env_steps += int(t["env_steps"])
+    run.summary["env/ok_episodes"] = run.summary.get("env/ok_episodes", 0) + int(t["episodes"])
+    if t["env_errors"] and not t["episodes"]:   # every episode of the step broke: say how (a collective)
+        first = next(x for x in all_gather_obj(next((e.error for e in b.eps if e.error), None)) if x)
+        run.summary.setdefault("env/first_error", first)
+        print0(f"warning: step {step + 1}: every one of its {int(t['env_errors'])} episodes ended in an env error, "
+               f"so it learns nothing; the first: {first}")
     n = max(1, t["episodes"])
     for key, won in (("won", True), ("lost", False)):
         e = next((e for e in reversed(b.eps) if e.won == won), None)

@@ -49,7 +49,7 @@ import zlib
 from pathlib import Path
 
 import envs
-from infra.env_backends import TASK_TYPES
+from infra.env_backends import TASK_TYPES, EnvDataError, read_json
 from envs import TASK_PREFIX, build_prompt, task_from_intro
 import skills
 from infra.io import write_folder
@@ -205,13 +205,26 @@ def tiny_model(vocab_size: int, args):
     return Qwen2ForCausalLM(cfg)
 
 
+def game_file(path: Path, key: str, whole: bool = False):
+    """`key` of a game's JSON file (walkthrough.json's steps, traj_data.json's params; `whole`: the file, which must
+    have it), or an error naming the file and what is wrong with it (a corrupted file would otherwise end the run
+    in a bare JSON traceback)."""
+    try:
+        d = read_json(str(path), path.name)
+        if key not in d:
+            raise EnvDataError(f"malformed {path.name} {path}: no '{key}'")
+        return d if whole else d[key]
+    except EnvDataError as e:
+        raise SystemExit(f"error: {e} (scripts/alfworld_gen.py writes it beside each game; --verify checks them)")
+
+
 def game_truth(walkthrough: Path) -> dict:
     """An ALFWorld game's facts from the files beside its walkthrough.json: task type (short name), object,
     target receptacle, lamp (look), and the receptacles the walkthrough took things from, in order."""
-    traj = json.loads(walkthrough.with_name("traj_data.json").read_text())
-    p = traj["pddl_params"]
-    acts = [s["action"] for s in json.loads(walkthrough.read_text())["steps"] if s["action"] is not None]
-    return {"type": TASK_TYPES[traj["task_type"]], "object": p["object_target"].lower(),
+    traj = walkthrough.with_name("traj_data.json")
+    p, kind = game_file(traj, "pddl_params"), game_file(traj, "task_type")
+    acts = [s["action"] for s in game_file(walkthrough, "steps") if s["action"] is not None]
+    return {"type": TASK_TYPES[kind], "object": p["object_target"].lower(),
             "recep": p["parent_target"].lower(), "toggle": p["toggle_target"].lower(),
             "took": [a.split(" from ", 1)[1] for a in acts if a.startswith("take ")]}
 
@@ -300,7 +313,7 @@ def oracle_skill_of_game(gamefile: str) -> str | None:
 def _receptacles_looked_in(walkthrough: Path, obj: str) -> tuple[list[str], set[str]]:
     """The room's receptacles (the first step's `go to` commands, in order) and those whose contents the walkthrough
     saw without an `obj` among them (an arrive or open observation that says what is there)."""
-    steps = json.loads(walkthrough.read_text())["steps"]
+    steps = game_file(walkthrough, "steps")
     room = [c[len("go to "):] for c in steps[0]["admissible"] if c.startswith("go to ")]
     seen, holds = set(), set()
     for s in steps[1:]:
@@ -409,7 +422,7 @@ def walkthrough_samples(gamefiles: list[str], history_len: int, skills: bool = F
         held = bool(hold_out) and game_truth(wt)["type"] == hold_out
         if held and pure:
             continue
-        d = json.loads(wt.read_text())
+        d = game_file(wt, "steps", whole=True)
         task = task_from_intro(d["steps"][0]["obs"])   # the env's own task sentence (with its period)
         steps = [(s["obs"], s["action"]) for s in d["steps"] if s["action"] is not None]
         skill = None

@@ -15,7 +15,7 @@ checkpoints. The only file that knows about ranks' bookkeeping; the trainer call
   `<run>/ckpt/step_N/` (each rank its own shard of the policy and AdamW, rank 0 the RNG states of every
   rank and a small `extra` dict), atomically (a `.tmp` folder renamed once complete) and keeps the
   previous complete one; `load_checkpoint` resumes the newest one that loads, naming a damaged one and
-  falling back; `check_resume` refuses a checkpoint written with other core flags.
+  falling back; `check_resume` refuses a checkpoint written with other flags.
 * `cpu_threads`: intra-op threads per rank, OMP_NUM_THREADS when set.
 * `exit_process(code)`: end a rank at once, once its work is on disk, skipping the interpreter's teardown.
 
@@ -204,6 +204,26 @@ def seed_rank(seed: int):
     random.seed(seed + RANK)
     np.random.seed(seed + RANK)
     torch.manual_seed(seed + RANK)
+
+
+def rng_states() -> dict:
+    """This rank's Python, NumPy, torch (and CUDA: the HF engine samples from it on a GPU) generator states."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_states(saved: list[dict], key: str):
+    """This rank's generators from the states every rank saved (`rng_states`, all-gathered); a rank the saved run
+    did not have draws streams of its own (`fresh_streams` from `key` and its rank), not another rank's copy."""
+    if RANK >= len(saved):
+        fresh_streams(f"{key}-{RANK}")
+        return
+    r = saved[RANK]
+    random.setstate(r["python"])
+    np.random.set_state(r["numpy"])
+    torch.set_rng_state(r["torch"])
+    if r.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(r["cuda"])
 
 
 def fresh_streams(key: str):
@@ -549,8 +569,7 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict, mod
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not dist.is_initialized())
     # gathered after dcp.save (whatever it might draw), so they are the states the run goes on with;
     # a collective, so past it every rank has written its shards
-    rng = all_gather_obj({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None})
+    rng = all_gather_obj(rng_states())
     if RANK == 0:
         torch.save({"step": step, "rng": rng, "extra": extra, "checksum": checksum, "optim": stepped}, tmp / "extra.pt")
         (tmp / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
@@ -564,23 +583,27 @@ def save_checkpoint(run_dir: Path, model, opt, step: int, args, extra: dict, mod
 
 
 # Flags a resumed run must share with the checkpoint it resumes (the rest, e.g. --steps, may change).
-RESUME_MUST_MATCH = ("algo", "model", "env", "tiny_hidden", "tiny_layers", "seed", "teacher_weights")
-
-
-def check_resume(run_dir: Path, args):
-    """Refuse, before any compute, to resume a checkpoint written with other core flags (e.g. a GRPO
-    run's ckpt picked up by an --algo rsipo run of the same --run_name). Every complete checkpoint is
-    checked: a damaged newest one falls back to the previous. Rank 0 reads and decides for all (a collective):
-    on a shared file system that lags, another rank's own reads could decide otherwise."""
+def check_resume(run_dir: Path, args, may_change=(), fallback: Optional[Path] = None):
+    """Refuse, before any compute, to resume a run with other flags than it was written with: every flag of a
+    checkpoint's args.json but `may_change` (the caller's list) must be the same now (a GRPO run's ckpt picked up
+    by an --algo rsipo run of the same --run_name, another --data_root, another --lr). Every complete checkpoint is
+    checked (a damaged newest one falls back to the previous); with none, the `fallback` file of flags if it exists
+    (a run folder's config.json: a warm start it will reuse). Flags the file does not have (older code) are not
+    compared. Rank 0 reads and decides for all (a collective): on a shared file system that lags, another rank's
+    own reads could decide otherwise."""
     verdict = None
-    for d in checkpoints(run_dir) if RANK == 0 else []:
-        f = d / "args.json"
+    found = checkpoints(run_dir) if RANK == 0 else []
+    files = [d / "args.json" for d in found] or ([fallback] if fallback is not None and RANK == 0 else [])
+    for f in files:
         saved = json.loads(f.read_text()) if f.exists() else {}
-        diff = [k for k in RESUME_MUST_MATCH if k in saved and saved[k] != getattr(args, k)]
+        now = vars(args)
+        diff = [k for k in sorted(saved) if k in now and k not in may_change and saved[k] != now[k]]
         if diff:
-            verdict = (f"error: {d} was written with " + ", ".join(f"--{k} {saved[k]}" for k in diff)
-                       + " but this run has " + ", ".join(f"--{k} {getattr(args, k)}" for k in diff)
-                       + ": use another --run_name, or --resume false to start over")
+            verdict = (f"error: {f.parent} was written with other flags than this run's: "
+                       + ", ".join(f"--{k} {saved[k]} (now {now[k]})" for k in diff)
+                       + ". Resume with the same flags (these may change: "
+                       + ", ".join(f"--{k}" for k in may_change) + "), use another --run_name, or --resume false "
+                       "--overwrite true to start the run over")
             break
     verdict = all_gather_obj(verdict)[0]
     if verdict:
@@ -669,15 +692,7 @@ def load_checkpoint(run_dir: Path, model, opt, models: Optional[dict] = None) ->
             if not np.allclose(got, want, rtol=1e-9, atol=0.0):
                 err = f"{d}: does not load: the loaded weights give the checksum {got}, the saved ones gave {want}"
         if err is None:
-            if RANK < len(st["rng"]):
-                r = st["rng"][RANK]
-                random.setstate(r["python"])
-                np.random.set_state(r["numpy"])
-                torch.set_rng_state(r["torch"])
-                if r.get("cuda") is not None and torch.cuda.is_available():   # the HF engine samples from it
-                    torch.cuda.set_rng_state(r["cuda"])
-            else:                         # a rank the saved run did not have: streams of its own, not rank 0's
-                fresh_streams(f"resume-{st['step']}-{RANK}")
+            set_rng_states(st["rng"], f"resume-{st['step']}")
             return {**st, "path": d}
         print0(f"checkpoint damaged, {err}; trying the previous one")
         bad.append(err)

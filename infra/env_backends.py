@@ -87,7 +87,7 @@ def _short_type(name: str) -> str:
                        f"{list(SHORT_TASK_TYPES)} or {list(TASK_TYPES)}")
 
 
-def _read_json(path: str, what: str) -> dict:
+def read_json(path: str, what: str) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
@@ -102,7 +102,7 @@ def _read_json(path: str, what: str) -> dict:
 
 def _read_game(path: str) -> dict:
     """Read a game.tw-pddl and check its required keys."""
-    data = _read_json(path, "game file")
+    data = read_json(path, "game file")
     missing = [k for k in GAME_KEYS if not isinstance(data.get(k), str)]
     if missing:
         raise EnvDataError(f"malformed game file {path}: missing or non-text keys {missing} "
@@ -114,7 +114,7 @@ def game_task_type(gamefile: str) -> str:
     """Short task type of a game, from the traj_data.json beside it (else the folder name)."""
     traj_path = os.path.join(os.path.dirname(gamefile), "traj_data.json")
     if os.path.exists(traj_path):
-        task_type = _read_json(traj_path, "traj_data.json").get("task_type")
+        task_type = read_json(traj_path, "traj_data.json").get("task_type")
         if not isinstance(task_type, str):
             raise EnvDataError(f"malformed traj_data.json {traj_path}: no 'task_type'")
         return _short_type(task_type)

@@ -31,7 +31,8 @@ def bench(algo: str, a, out_dir: str) -> dict:
     argv = ["--model", a.model, "--algo", algo, "--steps", str(a.steps), "--sft_steps", str(a.sft_steps),
             "--tasks_per_step", str(a.tasks_per_step), "--group_size", str(a.group_size),
             "--max_new_tokens", str(a.max_new_tokens), "--eval", "false", "--save_every", "0",
-            "--out_dir", out_dir, "--run_name", f"bench_{algo}", "--resume", "false", "--seed", str(a.seed),
+            "--out_dir", out_dir, "--run_name", f"bench_{algo}", "--resume", "false", "--overwrite", "true",
+            "--seed", str(a.seed),
             "--data_root", a.data_root, "--preset", "none", *a.extra]   # the tiny preset alone, on all task types
     train.main(argv)
     rows = [json.loads(l) for l in (Path(out_dir) / f"bench_{algo}" / "metrics.jsonl").read_text().splitlines()]

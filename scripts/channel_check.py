@@ -41,14 +41,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from compare import load_run  # noqa: E402
+from compare import load_run, run_child  # noqa: E402
 
 LIVE, FROZEN, EMA, REFRESH = (["--teacher_weights", w] for w in ("live", "frozen", "ema", "refresh"))
 TOPK = ["--teacher_loss", "topk", "--teacher_support", "teacher"]
@@ -110,7 +109,7 @@ def warm_start(a) -> Path:
             cmd = [sys.executable, "train.py", *SETTINGS[a.setting]["warm_start"], "--out_dir", a.runs,
                    "--run_name", "warm_start"]
             print("warm start:", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True, cwd=ROOT)
+            run_child(cmd)
     if not (path / "config.json").exists():
         raise SystemExit(f"error: --warm_start {path}: not a Hugging Face model folder (no config.json)")
     return path
@@ -172,7 +171,7 @@ def run_arm(a, ws: Path, arm: str, seed: int) -> dict:
            str(a.eval_every), "--out_dir", a.runs, "--run_name", name, *a.extra]
     if not summary.exists():
         print("running:", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        run_child(cmd)
     s = load_run(summary.parent, keys=DIAGNOSTICS)
     return {"seed": seed, "start": s["eval/success_at_start"], "end": s["eval/success"], "gain": s["eval/gain"],
             "gain_se": s["eval/gain_se"], "rl_steps": len(s["curve"]), "curve": s["eval_curve"],

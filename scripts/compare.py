@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: train.py runs there, as in the README
+sys.path.insert(0, str(ROOT))
 TYPES = ["pick", "look", "clean", "heat", "cool", "pick2"]
 INTERNALS = ["skill/valid_frac", "skill/names_target", "replay/gain_mean", "replay/uninformative", "trust/mean",
              "trust/shrink_mean", "opsd/gate_mean", "opsd/gap_mean", "gigpo/anchored_frac", "train/success",
@@ -39,7 +41,7 @@ def warm_start(a, extra: list[str]) -> list[str]:
             cmd = [sys.executable, str(ROOT / "train.py"), "--algo", "rsipo", "--steps", "0", "--seed", "0",
                    "--out_dir", a.out, "--run_name", "warm_start", *extra]
             print("warm start:", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True, cwd=ROOT)
+            run_child(cmd)
     if not (path / "config.json").exists():
         raise SystemExit(f"error: --warm_start {path}: not a Hugging Face model folder (no config.json)")
     # a tiny-preset checkpoint gets the tiny preset's settings by itself (tiny.is_tiny); flags given after
@@ -54,8 +56,40 @@ def run_one(algo: str, seed: int, a, extra: list[str]) -> dict:
         cmd = [sys.executable, str(ROOT / "train.py"), "--algo", algo, "--seed", str(seed), "--steps", str(a.max_steps),
                "--max_env_steps", str(a.env_steps), "--out_dir", a.out, "--run_name", name, *extra]
         print("running:", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        run_child(cmd)
     return load_run(Path(a.out) / name)
+
+
+def run_child(cmd: list[str]):
+    """Run one train.py child and wait for it. A SIGTERM or Ctrl-C to this script is passed on to the child, which
+    writes a checkpoint and exits (the same command later resumes it), and this script exits after it: a child never
+    outlives the script that started it. A child that fails ends the script with its exit code."""
+    child = subprocess.Popen(cmd, cwd=ROOT)
+    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signal.SIGTERM))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if child.poll() is None:          # this script is ending for another reason: the child ends with it
+            child.kill()
+            child.wait()
+    if rc in (130, 143):
+        raise SystemExit(f"stopped: {cmd[1]} wrote a checkpoint and exited ({rc}); the same command resumes it")
+    if rc:
+        raise SystemExit(f"error: {' '.join(cmd)} exited with {rc}")
+
+
+def check_args(algos: list[str], extra: list[str]):
+    """Every algorithm name and the train.py flags after `--`, checked before any run starts (a warm start takes
+    minutes): an unknown name or a bad flag is an error at once."""
+    from harness.config import CHOICES, parse_args
+    bad = [x for x in algos if x not in CHOICES["algo"]]
+    if bad:
+        raise SystemExit(f"error: --algos {','.join(bad)}: unknown; the algorithms are {', '.join(CHOICES['algo'])}")
+    for algo in algos:
+        parse_args(["--algo", algo, *extra])   # train.py's own checks, with its own messages
 
 
 def load_run(run_dir: Path, keys=None) -> dict:
@@ -159,7 +193,13 @@ def main(argv=None):
                    "label=prefix, the runs of each seed S at <prefix><S> (e.g. grpo=runs/tb/grpo/grpo_s); the first is "
                    "the base of the paired differences")
     a = p.parse_args(argv)
-    algos, seeds = a.algos.split(","), [int(s) for s in a.seeds.split(",")]
+    algos = a.algos.split(",")
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --seeds {a.seeds}: a comma list of integers, e.g. 0,1,2") from None
+    if not a.collect:
+        check_args(algos, extra)
     if a.collect:                         # runs made by several invocations (other flags each), side by side
         arms = dict(x.split("=", 1) for x in a.collect.split(","))
         res = {label: [load_run(Path(f"{prefix}{s}")) for s in seeds] for label, prefix in arms.items()}

@@ -116,3 +116,53 @@ def test_collect_tabulates_runs_made_apart_side_by_side(tmp_path):
     # +5 and +15 → +10.0 ± 5.0 (2.0 s.e.)
     assert "rsipo_a0 − grpo, held-out success after RL paired by seed (0, 1): +5.0, +15.0 → **+10.0 ± 5.0**" in md
     assert "--collect grpo=" in md and not (tmp_path / "table" / "grpo_s0").exists()   # nothing was run
+
+
+def test_bad_arguments_are_refused_before_any_run(tmp_path):
+    import time
+    t0 = time.time()
+    for argv, said in ((["--algos", "grpo,bogus"], "--algos bogus: unknown; the algorithms are grpo, gigpo"),
+                       (["--seeds", "0,x"], "--seeds 0,x: a comma list of integers"),
+                       (["--algos", "grpo", "--", "--group_size", "1"], "--group_size")):
+        with pytest.raises(SystemExit, match=said):
+            C.main(argv + ["--out", str(tmp_path / "c")] if "--" not in argv else
+                   argv[:argv.index("--")] + ["--out", str(tmp_path / "c")] + argv[argv.index("--"):])
+    assert time.time() - t0 < 30 and not (tmp_path / "c").exists()      # no warm start was begun
+
+
+def test_a_stopped_comparison_ends_its_child_which_checkpoints(tmp_path):
+    # compare.py under SIGTERM: its train.py child gets the signal, writes its checkpoint and exits, and so does the
+    # script; no train.py is left running
+    import os
+    import signal
+    import subprocess
+    import time
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, str(ROOT / "scripts" / "compare.py"), "--algos", "grpo", "--seeds", "0", "--warm_start",
+           "none", "--out", str(out), "--", "--sft_steps", "200", "--steps", "1", "--eval", "false", "--tiny_hidden",
+           "32"]
+    script = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+
+    def children():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                line = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:               # a process that ended meanwhile
+                continue
+            if "train.py" in line and str(out) in line:
+                found.append(int(pid))
+        return found
+    try:
+        deadline = time.time() + 120
+        while not (out / "grpo_s0" / "config.json").exists() and time.time() < deadline:   # past its set-up
+            time.sleep(0.5)
+        time.sleep(3)                     # into its SFT
+        assert children(), "the child train.py did not start"
+        script.send_signal(signal.SIGTERM)
+        log = script.communicate(timeout=120)[0]
+    finally:
+        script.kill()
+    assert script.returncode != 0 and "stopped:" in log and "the same command resumes it" in log, log[-2000:]
+    assert "preempted (SIGTERM) during the warm start" in log and not children()

@@ -85,6 +85,21 @@ def test_sft_jsonl_loader(tmp_path):
         harness_sft.load_sft_jsonl(str(p))
 
 
+def test_sft_parquet_loader_reads_messages_or_prompt_and_response_columns(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    chats = [[{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    pq.write_table(pa.table({"messages": chats, "source": ["x"]}), tmp_path / "m.parquet")
+    assert harness_sft.load_sft_jsonl(str(tmp_path / "m.parquet")) == [("q", "a")]
+    assert "1 samples from the parquet column(s) messages" in capsys.readouterr().out
+    pq.write_table(pa.table({"prompt": ["q2", "q3"], "response": ["a2", "a3"]}), tmp_path / "p.parquet")
+    assert harness_sft.load_sft_jsonl(str(tmp_path / "p.parquet")) == [("q2", "a2"), ("q3", "a3")]
+    pq.write_table(pa.table({"question": ["q"], "answer": ["a"]}), tmp_path / "bad.parquet")
+    with pytest.raises(SystemExit, match="needs a 'messages' column or 'prompt' and 'response' columns; it has "
+                                         "answer, question"):
+        harness_sft.load_sft_jsonl(str(tmp_path / "bad.parquet"))
+
+
 def test_single_process_run_and_exact_resume(tmp_path):
     full = T.main(TINY + ["--out_dir", str(tmp_path), "--run_name", "full"])
     run = tmp_path / "full"
