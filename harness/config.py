@@ -113,14 +113,20 @@ class Args:
     # --- run ---
     preset: str = arg("heldout", "[ours] the run's preset: heldout (the default run; it applies to the tiny model on "
                       "ALFWorld, PRESETS) | none (Args' values and the presets of --model, --env and --algo)")
+    algo: str = arg("rsipo", "rsipo | grpo | gigpo | opsd (METHOD.md §3; gigpo is GRPO with --step_adv 1)")
+    seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
     run_name: str = arg("default", "name of the run; outputs go to <out_dir>/<run_name>/")
     out_dir: str = arg("runs", "folder for runs", path=True)
-    seed: int = arg(0, "random seed (python, numpy, torch; each rank adds its rank)")
-    algo: str = arg("rsipo", "rsipo | grpo | gigpo | opsd (METHOD.md §3; gigpo is GRPO with --step_adv 1)")
     resume: bool = arg(True, "resume from <run>/ckpt if it exists (every flag but RESUME_MAY_CHANGE must be the "
                        "checkpoint's)")
     overwrite: bool = arg(False, "with --resume false: clear a run folder that holds a run and start over in it "
                           "(without it such a run is refused)")
+    steps: int = arg(12, "RL steps")
+    max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
+    save_every: int = arg(4, "checkpoint every k RL steps")
+    check_disk: bool = arg(True, "[ours] refuse to start when --out_dir has less free space than one checkpoint of "
+                           "the run needs (fp32 weights and AdamW's two moments, and an ema/refresh teacher's weights: "
+                           "12-16 bytes a parameter; a run keeps at most two checkpoints); false skips the check")
     wandb: bool = arg(False, "log to Weights & Biases (needs `wandb` installed and a login)")
     dist_timeout: float = arg(60.0, "[ours] minutes a collective may wait for the slowest rank before the run is "
                               "aborted (torch's NCCL default, 10, is shorter than one rank's share of a 7B evaluation)")
@@ -142,8 +148,6 @@ class Args:
                                    "host memory")
     grad_ckpt: bool = arg(False, "activation checkpointing of every decoder block (HF, non-reentrant) to save GPU "
                                  "memory (a real model on a GPU: on by default)")
-    tiny_hidden: int = arg(128, "tiny model: hidden size")
-    tiny_layers: int = arg(2, "tiny model: decoder blocks")
     # --- data / env ---
     env: str = arg("alfworld", "alfworld | search (search QA; its preset: SEARCH)")
     data_root: str = arg("data/alfworld_clean", "folder holding json_2.1.1/{train,valid_seen,valid_unseen} (the "
@@ -162,9 +166,7 @@ class Args:
                                         "fail [ours]")
     retrieval_batch: int = arg(32, "search: queries per retrieval request (a request of n queries gets n x "
                                    "--retrieval_timeout) [ours]")
-    # --- RL ---
-    steps: int = arg(12, "RL steps")
-    max_env_steps: int = arg(0, "stop RL once this many env steps (rollouts + replays, all ranks) are spent (0 = off)")
+    # --- RL (GRPO, Eq. 1 and 10-12; GiGPO) ---
     tasks_per_step: int = arg(16, "B: tasks per step (over all ranks)")
     tasks_by_type: bool = arg(True, "[ours] draw each step's tasks evenly over task types (false: uniformly, as the "
                                     "papers)")
@@ -202,7 +204,7 @@ class Args:
     drop_zero_adv: bool = arg(True, "[ours] leave turn-samples with advantage 0 out of the update (no PG signal)")
     opsd_keep: float = arg(1.0, "[ours] fraction of advantage-0 turns kept for the OPSD term alone (opsd/rsipo; 1 = "
                                 "all)")
-    # --- RSIPO (METHOD.md §2.3-2.9; ignored by --algo grpo) ---
+    # --- RSIPO (METHOD.md §2.3-2.10; ignored by --algo grpo) ---
     trust: str = arg("eb", "teacher trust: eb (Eq. 6-9) | raw (no shrinkage) | one (λ ≡ 1, SEED-like)")
     replay_m: int = arg(0, "M: replay episodes per skill (0 = N/2 [ours])")
     replay_control: str = arg("fresh", "[ours] the skill-free control of Eq. (3), independent of the choice of the "
@@ -213,12 +215,6 @@ class Args:
     skill_groups: str = arg("won", "[ours] which tasks write a skill: won (those whose source episodes hold a win; "
                             "a group with none writes no skill) | all (a group with no win writes avoidance rules "
                             "from a lost episode, the published description)")
-    teacher_skill: str = arg("own", "[ours] a diagnostic of the teacher channel: the skill of each task's teacher is "
-                             "own (written by the policy, Eq. 2) | generic (the tiny preset's type-level workflow of "
-                             "its game, privileged: the most the teacher term can carry; --algo opsd, ALFWorld) | "
-                             "wrong (the same sentence with another type's tool and verb: the wrong procedure, its "
-                             "control; types with a tool only) | oracle (the workflow naming where the object lies "
-                             "in its game) | wrong_place (the same sentence naming another receptacle: its control)")
     teacher_loss: str = arg("gated", "[ours] the teacher term's estimator (METHOD.md §2.8.1), λ times each: "
                             "gated (Eq. 11, the paper's) | signed (Eq. 11b: advantage −clip(ℓ − ℓ^T)) | "
                             "topk (Eq. 11c: reverse KL over --teacher_topk tokens (--teacher_support) and a tail "
@@ -244,9 +240,6 @@ class Args:
     teacher_ema: float = arg(0.9, "[ours] --teacher_weights ema: the average's decay per RL step (0.9: the teacher's "
                              "weights are a mean over about the last 10 steps)")
     teacher_refresh: int = arg(4, "[ours] --teacher_weights refresh: RL steps between snapshots")
-    distill_only: bool = arg(False, "[ours] reward off: every turn's advantage is 0, so the update is the teacher term "
-                             "(with KL and entropy where their coefficients are not 0): context distillation alone, "
-                             "scripts/channel_check.py (opsd/rsipo)")
     skill_rule: bool = arg(True, "[ours] a skill that does not name its task's object and target (read off the task "
                            "line, envs.task_terms) is invalid like an unparsable one: retried once, then r_bad")
     alpha: float = arg(0.01, "α: OPSD coefficient, Eq. (12)")
@@ -264,12 +257,37 @@ class Args:
                              "over for its object and target, at the trust it earned (METHOD.md §2.10; --algo rsipo)")
     skill_bank: str = arg("", "[ours] a skill_bank.json to start the bank from (a fresh start only: a resume takes the "
                           "checkpoint's); empty = an empty bank", path=True)
+    # --- SFT warm start (stage 1) ---
+    sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: "
+                            "walkthroughs)", path=True)
+    sft_steps: int = arg(1200, "SFT optimizer steps (0 = skip)")
+    sft_lr: float = arg(5e-6, "SFT learning rate (SEED: 5e-6)")
+    sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
+    sft_micro_tokens: int = arg(2048, "[ours] SFT: each batch, sorted by length, runs in micro-batches of at most this "
+                                      "many padded tokens; the gradient is still the batch's token mean (0 = one "
+                                      "padded batch)")
+    # --- evaluation ---
+    eval: bool = arg(True, "evaluate on held-out games before and after RL")
+    eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
+    eval_temperature: float = arg(0.4, "eval sampling temperature (0 = greedy; papers: 0.4)")
+    eval_repeats: int = arg(5, "episodes per held-out game at evaluation (sampled eval is noisy)")
+    eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
+    # --- diagnostics [ours]: the teacher channel and the trust check ---
+    teacher_skill: str = arg("own", "[ours] a diagnostic of the teacher channel: the skill of each task's teacher is "
+                             "own (written by the policy, Eq. 2) | generic (the tiny preset's type-level workflow of "
+                             "its game, privileged: the most the teacher term can carry; --algo opsd, ALFWorld) | "
+                             "wrong (the same sentence with another type's tool and verb: the wrong procedure, its "
+                             "control; types with a tool only) | oracle (the workflow naming where the object lies "
+                             "in its game) | wrong_place (the same sentence naming another receptacle: its control)")
+    distill_only: bool = arg(False, "[ours] reward off: every turn's advantage is 0, so the update is the teacher term "
+                             "(with KL and entropy where their coefficients are not 0): context distillation alone, "
+                             "scripts/channel_check.py (opsd/rsipo)")
     calibrate: int = arg(0, "[ours] rsipo: a trust check, METHOD.md §5.7: per scored skill, this many fresh episodes "
                             "with it and as many without; calibration.jsonl, report (0 = off; not trained on, not in "
                             "the budget)")
-    # --- SFT warm start ---
-    sft_data: str = arg("", "JSONL of chat samples for an SFT stage before RL ('' = none; tiny: "
-                            "walkthroughs)", path=True)
+    # --- the tiny preset [ours]: the CPU model and its warm-start data ---
+    tiny_hidden: int = arg(128, "tiny model: hidden size")
+    tiny_layers: int = arg(2, "tiny model: decoder blocks")
     sft_walkthroughs: str = arg("data/alfworld_sft", "[ours] tiny preset, ALFWorld: folders (comma list) whose train "
                                 "walkthroughs (no game files needed) the warm start clones ('' = none)", path=True)
     sft_rl_games: bool = arg(True, "[ours] tiny preset, ALFWorld: the warm start also clones the RL games' "
@@ -283,22 +301,6 @@ class Args:
                                             "copied actions)")
     sft_hold_out_repeat: int = arg(1, "[ours] --sft_hold_out, teacher mode: repeat the type's skill-conditioned turns "
                                       "this often")
-    sft_steps: int = arg(1200, "SFT optimizer steps (0 = skip)")
-    sft_lr: float = arg(5e-6, "SFT learning rate (SEED: 5e-6)")
-    sft_batch: int = arg(32, "SFT samples per optimizer step (per rank)")
-    sft_micro_tokens: int = arg(2048, "[ours] SFT: each batch, sorted by length, runs in micro-batches of at most this "
-                                      "many padded tokens; the gradient is still the batch's token mean (0 = one "
-                                      "padded batch)")
-    # --- eval / save ---
-    eval: bool = arg(True, "evaluate on held-out games before and after RL")
-    eval_games: int = arg(60, "held-out games per evaluation (0 = all)")
-    eval_temperature: float = arg(0.4, "eval sampling temperature (0 = greedy; papers: 0.4)")
-    eval_repeats: int = arg(5, "episodes per held-out game at evaluation (sampled eval is noisy)")
-    eval_every: int = arg(0, "evaluate every k RL steps (0 = only before and after RL)")
-    save_every: int = arg(4, "checkpoint every k RL steps")
-    check_disk: bool = arg(True, "[ours] refuse to start when --out_dir has less free space than one checkpoint of "
-                           "the run needs (fp32 weights and AdamW's two moments, and an ema/refresh teacher's weights: "
-                           "12-16 bytes a parameter; a run keeps at most two checkpoints); false skips the check")
 
     @property
     def uses_skills(self) -> bool:   # opsd and rsipo write skills and score with a teacher; grpo, gigpo do not
