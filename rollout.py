@@ -374,7 +374,6 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
     """
     make_prompt = pool.build_prompt
     parse = pool.parse_action
-    prefix = pool.task_prefix
     gamefiles = [t[pool.task_key] for t in tasks for _ in range(n_per_task)]
     eps, obs, adm = start_episodes(pool, tasks, gamefiles, n_per_task, skills or {}, group_offset)
     active = [ep.error is None for ep in eps]
@@ -388,7 +387,7 @@ def run_episodes(engine, pool, tasks: list[dict], n_per_task: int, *, history_le
 
             def build(h, ep=ep, i=i):
                 p = make_prompt(ep.task, obs[i], adm[i], ep.steps, history_len=h)
-                return insert_skill(p, ep.skill, prefix + ep.task) if ep.skill else p
+                return insert_skill(p, ep.skill, task_line(pool, ep.task)) if ep.skill else p
             p = fit_prompt(build, history_len, engine.prompt_len, engine.max_prompt_tokens - reserve)
             if p is None:            # too long even without history: an invalid turn, counted
                 ep.overflow += 1
@@ -538,6 +537,12 @@ def token_logprobs_of(model, ids, attn, targets, with_entropy=False, with_all=Fa
     return lp, ent, logp_all
 
 
+
+
+def task_line(pool, task: str) -> str:
+    """The line of a prompt that states the task (the pool's prefix and the task sentence): where a skill goes
+    (`skills.insert_skill`), for the replays, the teacher and the stage-1 data alike."""
+    return pool.task_prefix + task
 
 
 def teacher_pair(engine, turn: Turn, skill: str, task_line: str) -> tuple[list[int], list[int]]:

@@ -74,7 +74,7 @@ from infra.io import write_text
 from infra.distributed import (aligned_micro_batches, all_gather_obj, all_reduce, all_reduce_named, all_reduce_union,
                                print0, shard)
 from rollout import (Episode, Generation, Support, Turn, by_task, collate, fit_prompt, run_episodes, sampler_gap,
-                     teacher_pair, token_logprobs_of)
+                     task_line, teacher_pair, token_logprobs_of)
 from skills import ANALYZER_MAX_STEPS, adapt_skill, analyzer_prompt, names_task, parse_skill
 
 
@@ -494,7 +494,7 @@ def score_teacher(run: Run, b: Batch, samples: list[Sample]) -> dict:
     a = run.args
     kept = [sm for sm in samples if sm.trust > 0]   # grpo and gigpo trust no teacher: every λ is 0
     teach = [teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].teacher_skill(),
-                          run.pool.task_prefix + b.eps[sm.turn.episode_id].task) for sm in kept]
+                          task_line(run.pool, b.eps[sm.turn.episode_id].task)) for sm in kept]
     fit = [j for j, (p, _) in enumerate(teach) if len(p) <= a.max_prompt_tokens]
     teacher_model = {"live": old_policy(run), "frozen": run.ref}.get(a.teacher_weights, run.teacher)
     keep = teacher_keep(a, [kept[j].student_top for j in fit])

@@ -210,7 +210,10 @@ def main(argv=None):
                          "<arm>_wrong")
     seeds = [0, 1] if a.quick else [int(s) for s in a.seeds.split(",")]
     ws = warm_start(a)
-    out = {"setting": a.setting, "skills": a.skills, "warm_start": str(ws), "env_steps": a.env_steps, "seeds": seeds,
+    from harness.config import parse_args   # the data the runs read: the setting's, or a --data_root after --
+    data = parse_args(["--model", str(ws), *COMMON, *SETTINGS[a.setting]["train"], *a.extra]).data_root
+    out = {"setting": a.setting, "data_root": data, "skills": a.skills, "warm_start": str(ws), "env_steps": a.env_steps,
+           "seeds": seeds,
            "common_flags": COMMON + SETTINGS[a.setting]["train"] + a.extra,
            "command": "python scripts/channel_check.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     prompt_file = Path(a.runs) / ("in_prompt.json" if a.skills == "type" else f"in_prompt_{a.skills}.json")
@@ -239,8 +242,8 @@ def main(argv=None):
 
 
 def report(out: dict) -> str:
-    lines = [f"setting {out['setting']}, {out['env_steps']} env steps a run, seeds {out['seeds']}, warm start "
-             f"{out['warm_start']}",
+    lines = [f"setting {out['setting']} (data {out.get('data_root', '?')}), {out['env_steps']} env steps a run, seeds "
+             f"{out['seeds']}, warm start {out['warm_start']}",
              f"in the prompt (held-out, {out['in_prompt_games']} games, none {100 * out['in_prompt_none']:.1f}%): right "
              f"skill {100 * out['in_prompt_gain']:+.1f} ± {100 * out['in_prompt_se']:.1f}, wrong skill "
              f"{100 * out['in_prompt_wrong_gain']:+.1f} ± {100 * out['in_prompt_wrong_se']:.1f}, right − wrong "

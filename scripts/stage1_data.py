@@ -44,7 +44,7 @@ from harness.config import parse_args  # noqa: E402
 from harness.run import build_policy, setup, teardown  # noqa: E402
 from infra import distributed as D  # noqa: E402
 from infra.distributed import all_gather_obj, print0  # noqa: E402
-from rollout import run_episodes  # noqa: E402
+from rollout import run_episodes, task_line  # noqa: E402
 from skills import insert_skill, names_task, parse_skill  # noqa: E402
 
 
@@ -130,7 +130,7 @@ def samples_of(run, episodes, prompts, skills) -> tuple[list[dict], list[dict]]:
             continue
         writing.append(chat(p, json.dumps({"skill": skill})))
         if e.won:
-            line = run.pool.task_prefix + e.task
+            line = task_line(run.pool, e.task)
             acting += [chat(insert_skill(t.prompt_text, skill, line), t.response_text) for t in e.turns
                        if not t.invalid]
     return writing, acting

@@ -64,5 +64,6 @@ def test_channel_check_end_to_end_on_a_tiny_model(tmp_path):
     assert c["per_seed"] == [r["arms"][C.BEST]["gain"] - r["arms"][C.WRONG]["gain"]]
     assert r["arms"][C.BEST]["right_minus_wrong"]["per_seed"] == c["per_seed"]
     assert "through the channel" in C.report(r)
+    assert r["data_root"] == "data/alfworld_clean" and "(data data/alfworld_clean)" in C.report(r)   # what it ran on
     with pytest.raises(SystemExit, match="--arms nope: unknown"):
         C.main(["--arms", "nope", "--out", str(out)])

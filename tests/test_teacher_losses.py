@@ -283,6 +283,14 @@ def test_a_new_estimator_is_one_row_of_the_table(monkeypatch):
         rsipo.teacher_loss("toy", logp, torch.ones(1), torch.ones(1, 2))
 
 
+def test_the_loss_takes_the_teacher_term_computed_by_its_caller():
+    # Eq. (12) takes the teacher term as a value (what it needs is the estimator table's business): 16 parameters
+    import inspect
+    params = inspect.signature(rsipo.rsipo_loss).parameters
+    assert len(params) <= 16 and "teacher_term" in params
+    assert not {"teacher_logp", "teacher_support", "teacher_kind", "trust", "beta"} & set(params)
+
+
 def test_gated_term_floors_a_ruled_out_teacher_token():
     # a −inf teacher entry: σ(−inf)·(−inf) would be NaN; raised to −30, the gate is ~0 and the value finite
     logp = _leaf([[-1.0, -0.5]])
