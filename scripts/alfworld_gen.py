@@ -254,7 +254,8 @@ def problem_pddl(spec: GameSpec, name: str) -> str:
     locs = {mangle(r): _loc(p) for r, p in spec.receptacles.items()}
     agent_loc = _loc(spec.agent_pose)
     otypes = sorted(set(objs.values()) | {spec.obj, spec.toggle or "DeskLamp", "Knife", "ButterKnife"})
-    rt = sorted(set(recs.values()) | {"SinkBasin", "Sink", "Microwave", "Fridge"} | ({spec.recep} if spec.recep else set()))
+    rt = sorted(set(recs.values()) | {"SinkBasin", "Sink", "Microwave", "Fridge"}
+                | ({spec.recep} if spec.recep else set()))
     lines = [f"(define (problem {name})", "(:domain alfred)", "(:objects", "agent1 - agent"]
     lines += [f"{t}Type - otype" for t in otypes] + [f"{t}Type - rtype" for t in rt]
     lines += [f"{o} - object" for o in sorted(objs)] + [f"{r} - receptacle" for r in sorted(recs)]

@@ -36,7 +36,8 @@ With --own it measures the policy's own skills instead, the way the trainer writ
 independent control (the ground truth that the replay gain and `--calibrate` estimate). For each game it plays
 --sources skill-free episodes at the training temperature, and the policy writes a skill from a won one and
 from a lost one (`write_skills`' analyzer prompt and decoding at --skill_temperature, one retry; from the same
-won episode once per temperature listed, 0 = greedy). Each skill is then played --repeats times, and so are a skill-free control
+won episode once per temperature listed, 0 = greedy).
+Each skill is then played --repeats times, and so are a skill-free control
 (its own episodes, not those the source came from) and the generic type-level skill. It prints, per condition,
 the gain over the control paired over games, and how the skills fare under the skill rule (they name the
 task's object and target: `skills.names_task`).
@@ -259,7 +260,8 @@ def premise(games_won: dict) -> dict | None:
     wrong, wrong_se, _ = rollout.paired_gain(games_won["none"], games_won["other"])
     diff, diff_se, _ = rollout.paired_gain(games_won["other"], games_won["generic"])
     go = 100 * right >= PREMISE_POINTS and diff > 2 * diff_se
-    line = (f"premise check: {'GO' if go else 'NO-GO'}: the right skill {100 * right:+.1f} ± {100 * right_se:.1f} points "
+    line = (f"premise check: {'GO' if go else 'NO-GO'}: "
+            f"the right skill {100 * right:+.1f} ± {100 * right_se:.1f} points "
             f"over none (needs ≥ {PREMISE_POINTS:g}), a wrong-type skill {100 * wrong:+.1f} ± {100 * wrong_se:.1f}, "
             f"right − wrong {100 * diff:+.1f} ± {100 * diff_se:.1f} (needs > 2 s.e.), {n} games")
     return {"right_minus_none": right, "right_se": right_se, "wrong_minus_none": wrong, "wrong_se": wrong_se,
@@ -356,7 +358,8 @@ def main(argv=None):
         bank = json.loads(Path(a.bank).read_text())["skills"]
         facts = score_bank(bank)
         print(f"banked skills against their games' truth (share naming it; {a.bank}):")
-        print(f"{'type':8s}{'skills':>8s}" + "".join(f"{k:>12s}" for k in ("object", "target", "tool", "place", "wrong_tool")))
+        print(f"{'type':8s}{'skills':>8s}"
+              + "".join(f"{k:>12s}" for k in ("object", "target", "tool", "place", "wrong_tool")))
         for ttype, r in facts.items():
             print(f"{ttype:8s}{r['skills']:8d}" + "".join(f"{100 * r[k]:11.0f}%" for k in
                                                            ("object", "target", "tool", "place", "wrong_tool")))
@@ -400,10 +403,12 @@ def main(argv=None):
     texts = [parse_skill(g.text) for g in gens]
     fs = [tiny.skill_facts(t, tiny.walkthrough_of(e.task_id)) for t, e in zip(texts, won) if t]
     written = {"won_episodes": len(won), "valid": sum(t is not None for t in texts),
-               **{k: (sum(f[k] for f in fs) / len(fs) if fs else float("nan")) for k in ("object", "target", "tool", "place")},
+               **{k: (sum(f[k] for f in fs) / len(fs) if fs else float("nan"))
+                  for k in ("object", "target", "tool", "place")},
                "examples": [t for t in texts if t][:3]}
     print(f"skills written after {len(won)} won episodes: {written['valid']} valid; naming the tool "
-          f"{100 * written['tool']:.0f}%, the object {100 * written['object']:.0f}%, the place {100 * written['place']:.0f}%")
+          f"{100 * written['tool']:.0f}%, the object {100 * written['object']:.0f}%, "
+          f"the place {100 * written['place']:.0f}%")
 
     # the teacher's view of the student's own turns (no skill in the student's prompt)
     turns = [(e, tr) for e in eps_none for tr in e.turns]
@@ -431,7 +436,8 @@ def main(argv=None):
     print(f"{'condition':10s}" + "".join(f"{c:>8s}" for c in cols))
     for name, r in results.items():
         print(f"{name:10s}" + "".join(f"{100 * r.get(c, float('nan')):8.1f}" for c in cols)
-              + (f"   vs none {100 * vs_none[name]['gain']:+.1f} ± {100 * vs_none[name]['se']:.1f}" if name in vs_none else ""))
+              + (f"   vs none {100 * vs_none[name]['gain']:+.1f} ± {100 * vs_none[name]['se']:.1f}"
+                 if name in vs_none else ""))
     for k in ("generic_minus_wrong", "oracle_minus_wrong_place"):
         if k in vs_none:
             d = vs_none[k]

@@ -75,7 +75,8 @@ def code_lines(source: str) -> int:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
                 doc |= set(range(first.lineno, first.end_lineno + 1))
     skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
             tokenize.ENDMARKER}
@@ -116,7 +117,8 @@ def test_each_self_contained_file_imports_alone(tmp_path, name):
     """rsipo.py, shrinkage.py and skills.py import nothing from the project: copied alone into an empty
     folder, each imports and runs there."""
     shutil.copy(ROOT / f"{name}.py", tmp_path / f"{name}.py")
-    code = f"import sys; sys.path = [p for p in sys.path if p not in ('', {str(ROOT)!r})]; import {name}; print({name}.__file__)"
+    code = (f"import sys; sys.path = [p for p in sys.path if p not in ('', {str(ROOT)!r})]; "
+            f"import {name}; print({name}.__file__)")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
