@@ -153,14 +153,12 @@ def _action_objects():
     return {"clean": A["Cleanable"], "heat": A["Heatable"], "cool": A["Coolable"]}
 
 
-def sample_game(scene: Scene, task_type: str, rng: random.Random, room: str, seed: int) -> GameSpec | None:
-    """Sample one game of `task_type` in `scene`, or None if the scene cannot host that task."""
-    from alfworld.gen import goal_library
-    can = _can_contain()
+def _task_needs(scene: Scene, task_type: str, recs: dict[str, list[float]], rtypes: set[str],
+                placeable: set[str]) -> tuple[str | None, set[str], str] | None:
+    """What `task_type` needs of the scene: (the tool's receptacle type or None, the object types that may be
+    the task's object, the toggle object or ""), or None if the scene cannot host the task (no receptacle of
+    the tool's type; for look_at_obj_in_light, no DeskLamp or no receptacle that can hold one)."""
     acts = _action_objects()
-    recs = {r: p for r, p in scene.receptacles.items() if rtype(r) in can}
-    rtypes = {rtype(r) for r in recs}
-    placeable = {o for o in scene.objects if any(o in can[t] for t in rtypes)} - NOT_TARGETS
     need = {"pick_clean_then_place_in_recep": ("SinkBasin", acts["clean"]),
             "pick_heat_then_place_in_recep": ("Microwave", acts["heat"]),
             "pick_cool_then_place_in_recep": ("Fridge", acts["cool"])}
@@ -176,6 +174,91 @@ def sample_game(scene: Scene, task_type: str, rng: random.Random, room: str, see
         if "DeskLamp" not in scene.objects or not hosts:
             return None
         toggle = "DeskLamp"
+    return tool_type, targets, toggle
+
+
+def _required_receptacles(recs: dict[str, list[float]], dest: str, tool_type: str | None, toggle: str,
+                          sources: list[str], n_obj: int, rng: random.Random) -> tuple[set[str], list[str]]:
+    """The receptacles the game cannot do without, and the object's start receptacles: one receptacle of the
+    destination type, one of the tool's type, one lamp host, and `n_obj` start receptacles drawn from
+    `sources`. Returns (must, obj_srcs)."""
+    must = set()
+    if dest:
+        must.add(rng.choice(sorted(r for r in recs if rtype(r) == dest)))
+    if tool_type:
+        must.add(rng.choice(sorted(r for r in recs if rtype(r) == tool_type)))
+    if toggle:
+        must.add(rng.choice(sorted(r for r in recs if rtype(r) in LAMP_HOSTS and r not in must)
+                            or sorted(r for r in recs if rtype(r) in LAMP_HOSTS)))
+    obj_srcs = [rng.choice(sources) for _ in range(n_obj)]
+    must.update(obj_srcs)
+    return must, obj_srcs
+
+
+def _room_receptacles(recs: dict[str, list[float]], must: set[str], room: str,
+                      rng: random.Random) -> dict[str, list[float]]:
+    """The receptacles the room keeps, id -> pose: every one in a `full` room; else the required ones (`must`)
+    and random others, up to a size drawn from the room size's range (ROOM_SIZES)."""
+    lo, hi = ROOM_SIZES[room]
+    if lo is None:
+        keep = set(recs)
+    else:
+        size = max(len(must), rng.randint(lo, hi))
+        others = sorted(set(recs) - must)
+        rng.shuffle(others)
+        keep = must | set(others[: max(0, size - len(must))])
+    return {r: recs[r] for r in sorted(keep)}
+
+
+def _new_object_id(otype: str, used: set[str], rng: random.Random) -> str:
+    """An ALFRED-style id for a new object of `otype` at a random position, one not in `used` (then added)."""
+    while True:
+        x, y, z = (rng.uniform(-3, 3) for _ in range(3))
+        oid = f"{otype}|{x:+06.2f}|{abs(y):+06.2f}|{z:+06.2f}"
+        if oid not in used:
+            used.add(oid)
+            return oid
+
+
+def _place_objects(obj: str, obj_srcs: list[str], must: set[str], kept: dict[str, list[float]],
+                   placeable: set[str], toggle: str, room: str, can: dict[str, set[str]],
+                   rng: random.Random) -> dict[str, str]:
+    """Object id -> receptacle id: the task's objects in their start receptacles, the lamp (if any) on its
+    host, and distractors in the kept receptacles: 1-3 in a sized room, half to all of the receptacles' count
+    in a `full` one."""
+    lo, _ = ROOM_SIZES[room]
+    placement: dict[str, str] = {}
+    used: set[str] = set()
+    for src in obj_srcs:
+        placement[_new_object_id(obj, used, rng)] = src
+    if toggle:
+        lamp_host = next(r for r in sorted(must) if rtype(r) in LAMP_HOSTS)
+        placement[_new_object_id("DeskLamp", used, rng)] = lamp_host
+    # Distractors: other placeable types (never the target type) in receptacles that can hold them.
+    others_t = sorted(placeable - {obj})
+    n_dis = rng.randint(1, 3) if lo is not None else rng.randint(len(kept) // 2, len(kept))
+    for _ in range(n_dis):
+        if not others_t:
+            break
+        o = rng.choice(others_t)
+        hosts = [r for r in kept if o in can[rtype(r)]]
+        if hosts:
+            host = rng.choice(hosts)
+            placement[_new_object_id(o, used, rng)] = host
+    return placement
+
+
+def sample_game(scene: Scene, task_type: str, rng: random.Random, room: str, seed: int) -> GameSpec | None:
+    """Sample one game of `task_type` in `scene`, or None if the scene cannot host that task."""
+    from alfworld.gen import goal_library
+    can = _can_contain()
+    recs = {r: p for r, p in scene.receptacles.items() if rtype(r) in can}
+    rtypes = {rtype(r) for r in recs}
+    placeable = {o for o in scene.objects if any(o in can[t] for t in rtypes)} - NOT_TARGETS
+    needs = _task_needs(scene, task_type, recs, rtypes, placeable)
+    if needs is None:
+        return None
+    tool_type, targets, toggle = needs
     targets = sorted(targets)
     rng.shuffle(targets)
     for obj in targets:
@@ -191,52 +274,9 @@ def sample_game(scene: Scene, task_type: str, rng: random.Random, room: str, see
         if not sources:
             continue
         n_obj = 2 if task_type == "pick_two_obj_and_place" else rng.choice([1, 1, 2])
-        must = set()
-        if dest:
-            must.add(rng.choice(sorted(r for r in recs if rtype(r) == dest)))
-        if tool_type:
-            must.add(rng.choice(sorted(r for r in recs if rtype(r) == tool_type)))
-        if toggle:
-            must.add(rng.choice(sorted(r for r in recs if rtype(r) in LAMP_HOSTS and r not in must)
-                                or sorted(r for r in recs if rtype(r) in LAMP_HOSTS)))
-        obj_srcs = [rng.choice(sources) for _ in range(n_obj)]
-        must.update(obj_srcs)
-        lo, hi = ROOM_SIZES[room]
-        if lo is None:
-            keep = set(recs)
-        else:
-            size = max(len(must), rng.randint(lo, hi))
-            others = sorted(set(recs) - must)
-            rng.shuffle(others)
-            keep = must | set(others[: max(0, size - len(must))])
-        kept = {r: recs[r] for r in sorted(keep)}
-        placement: dict[str, str] = {}
-        used = set()
-
-        def new_id(otype: str, rec: str) -> str:
-            while True:
-                x, y, z = (rng.uniform(-3, 3) for _ in range(3))
-                oid = f"{otype}|{x:+06.2f}|{abs(y):+06.2f}|{z:+06.2f}"
-                if oid not in used:
-                    used.add(oid)
-                    return oid
-
-        for src in obj_srcs:
-            placement[new_id(obj, src)] = src
-        if toggle:
-            lamp_host = next(r for r in sorted(must) if rtype(r) in LAMP_HOSTS)
-            placement[new_id("DeskLamp", lamp_host)] = lamp_host
-        # Distractors: other placeable types (never the target type) in receptacles that can hold them.
-        others_t = sorted(placeable - {obj})
-        n_dis = rng.randint(1, 3) if lo is not None else rng.randint(len(kept) // 2, len(kept))
-        for _ in range(n_dis):
-            if not others_t:
-                break
-            o = rng.choice(others_t)
-            hosts = [r for r in kept if o in can[rtype(r)]]
-            if hosts:
-                host = rng.choice(hosts)
-                placement[new_id(o, host)] = host
+        must, obj_srcs = _required_receptacles(recs, dest, tool_type, toggle, sources, n_obj, rng)
+        kept = _room_receptacles(recs, must, room, rng)
+        placement = _place_objects(obj, obj_srcs, must, kept, placeable, toggle, room, can, rng)
         tmpl = goal_library.gdict[task_type]["templates"]
         text = rng.choice(tmpl).format(obj=obj.lower(), recep=dest.lower(), toggle=toggle.lower(), mrecep="")
         start = [rng.uniform(-2, 2), rng.uniform(-2, 2), 90 * rng.randint(0, 3), 30]
@@ -254,7 +294,8 @@ def problem_pddl(spec: GameSpec, name: str) -> str:
     locs = {mangle(r): _loc(p) for r, p in spec.receptacles.items()}
     agent_loc = _loc(spec.agent_pose)
     otypes = sorted(set(objs.values()) | {spec.obj, spec.toggle or "DeskLamp", "Knife", "ButterKnife"})
-    rt = sorted(set(recs.values()) | {"SinkBasin", "Sink", "Microwave", "Fridge"} | ({spec.recep} if spec.recep else set()))
+    rt = sorted(set(recs.values()) | {"SinkBasin", "Sink", "Microwave", "Fridge"}
+                | ({spec.recep} if spec.recep else set()))
     lines = [f"(define (problem {name})", "(:domain alfred)", "(:objects", "agent1 - agent"]
     lines += [f"{t}Type - otype" for t in otypes] + [f"{t}Type - rtype" for t in rt]
     lines += [f"{o} - object" for o in sorted(objs)] + [f"{r} - receptacle" for r in sorted(recs)]
@@ -310,6 +351,122 @@ def _name(otype: str) -> str:
     return otype.lower()
 
 
+class _Expert:
+    """The scripted expert in one game: what it sees (obs, adm), where it is, what it holds, where it saw the
+    lamp, the (actions, trace) played so far, and its moves. The receptacles are explored in the order the
+    engine lists them."""
+
+    def __init__(self, env, spec_obj: str, toggle: str, max_steps: int):
+        state = env.reset()
+        self.env, self.toggle, self.max_steps = env, toggle, max_steps
+        self.obs, self.adm = state.feedback, sorted(state.admissible_commands)
+        self.actions, self.trace = [], []
+        self.won = False
+        self.at = None
+        self.holding = None
+        self.done_objs: set[str] = set()
+        self.lamp_at = None
+        recs = [c[len("go to "):] for c in self.adm if c.startswith("go to ")]
+        self.order = [r for r in recs]  # listed order (sorted by the engine) is the exploration order
+        self.obj = _name(spec_obj)
+        self.pat = re.compile(rf"^take ({re.escape(self.obj)} \d+) from (.+)$")
+
+    def act(self, cmd):
+        """Play one admissible command, recording what was seen before it; fail past `max_steps` actions."""
+        if cmd not in self.adm:
+            raise ExpertFailed(f"expert command not admissible: {cmd!r}")
+        self.trace.append((self.obs, self.adm))
+        self.actions.append(cmd)
+        st, _, _ = self.env.step(cmd)
+        self.obs, self.adm, self.won = st.feedback, sorted(st.admissible_commands), bool(st["won"])
+        if cmd.startswith("go to "):
+            self.at = cmd[len("go to "):]
+        if len(self.actions) > self.max_steps:
+            raise ExpertFailed(f"expert needs more than {self.max_steps} steps")
+
+    def goto(self, r):
+        """Go to receptacle r (unless there already) and open it if it is closed."""
+        if self.at != r:
+            self.act(f"go to {r}")
+        if f"open {r}" in self.adm:
+            self.act(f"open {r}")
+
+    def note_lamp(self):
+        """Remember the first place the lamp was seen."""
+        if (self.toggle and self.lamp_at is None
+                and f" {_name(self.toggle)} " in f" {self.obs} ".replace(",", " ").replace(".", " ")):
+            self.lamp_at = self.at
+
+    def find_and_take(self, skip_rec=None, first=None):
+        """Visit receptacles (`first` before the listed order, never `skip_rec`) and take the first object of the
+        task's type not already placed."""
+        for r in ([first] if first in self.order else []) + [r for r in self.order if r != first]:
+            if r == skip_rec:
+                continue
+            self.goto(r)
+            self.note_lamp()
+            for c in self.adm:
+                m = self.pat.match(c)
+                if m and m.group(1) not in self.done_objs and m.group(2) == r:
+                    self.act(c)
+                    self.holding = m.group(1)
+                    return
+        raise ExpertFailed(f"no {self.obj} found")
+
+    def first_of(self, rec_type):     # a room may lack the receptacle (no sinkbasin in a small bathroom)
+        """The first listed receptacle of type rec_type."""
+        r = next((r for r in self.order if r.rsplit(" ", 1)[0] == _name(rec_type)), None)
+        if r is None:
+            raise ExpertFailed(f"no {_name(rec_type)} in this room")
+        return r
+
+    def place(self, target_type):
+        """Put the held object in the first receptacle of target_type; return that receptacle."""
+        dest = self.first_of(target_type)
+        self.goto(dest)
+        self.act(f"move {self.holding} to {dest}")
+        return dest
+
+    def use_tool(self, verb, tool_type):
+        """Clean / heat / cool the held object with the first receptacle of tool_type."""
+        tool = self.first_of(tool_type)
+        self.goto(tool)
+        self.act(f"{verb} {self.holding} with {tool}")
+
+
+def _play_look_at_obj_in_light(ex: _Expert, first: str | None):
+    """Take the object, look for the lamp unless it was seen on the way, go to it and use it."""
+    ex.find_and_take(first=first)
+    if ex.lamp_at is None:
+        for r in ex.order:
+            ex.goto(r)
+            ex.note_lamp()
+            if ex.lamp_at:
+                break
+    ex.goto(ex.lamp_at)
+    lamp = next((c for c in ex.adm if c.startswith(f"use {_name(ex.toggle)}")), None)
+    if lamp is None:
+        raise ExpertFailed("lamp not usable")
+    ex.act(lamp)
+
+
+def _play_pick_and_place(ex: _Expert, recep: str, task_type: str, first: str | None):
+    """Take the object, clean / heat / cool it if the task type asks, and put it in the first `recep`; for
+    pick_two_obj_and_place, then take a second one (not from there) and put it there too."""
+    ex.find_and_take(first=first)
+    tool = {"pick_clean_then_place_in_recep": ("clean", "SinkBasin"),
+            "pick_heat_then_place_in_recep": ("heat", "Microwave"),
+            "pick_cool_then_place_in_recep": ("cool", "Fridge")}.get(task_type)
+    if tool:
+        ex.use_tool(*tool)
+    dest = ex.place(recep)
+    if task_type == "pick_two_obj_and_place":
+        ex.done_objs.add(ex.holding)
+        ex.holding = None
+        ex.find_and_take(skip_rec=dest)
+        ex.place(recep)
+
+
 def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = "", max_steps: int = 80,
                 first: str | None = None):
     """Play one game like a person: explore receptacles in listed order; return (actions, trace).
@@ -319,106 +476,15 @@ def play_expert(env, spec_obj: str, recep: str, task_type: str, toggle: str = ""
     `max_steps` actions. `first` [ours]: the informed expert, told where the object is (the
     receptacle the uninformed expert took it from), looks there before the listed order.
     """
-    state = env.reset()
-    obs, adm = state.feedback, sorted(state.admissible_commands)
-    actions, trace = [], []
-    won = False
-    at = None
-    holding = None
-    done_objs: set[str] = set()
-    lamp_at = None
-    recs = [c[len("go to "):] for c in adm if c.startswith("go to ")]
-    order = [r for r in recs]  # listed order (sorted by the engine) is the exploration order
-
-    def act(cmd):
-        nonlocal obs, adm, won, at
-        if cmd not in adm:
-            raise ExpertFailed(f"expert command not admissible: {cmd!r}")
-        trace.append((obs, adm))
-        actions.append(cmd)
-        st, _, _ = env.step(cmd)
-        obs, adm, won = st.feedback, sorted(st.admissible_commands), bool(st["won"])
-        if cmd.startswith("go to "):
-            at = cmd[len("go to "):]
-        if len(actions) > max_steps:
-            raise ExpertFailed(f"expert needs more than {max_steps} steps")
-
-    def goto(r):
-        if at != r:
-            act(f"go to {r}")
-        if f"open {r}" in adm:
-            act(f"open {r}")
-
-    def note_lamp():
-        nonlocal lamp_at
-        if toggle and lamp_at is None and f" {_name(toggle)} " in f" {obs} ".replace(",", " ").replace(".", " "):
-            lamp_at = at
-
-    obj = _name(spec_obj)
-    pat = re.compile(rf"^take ({re.escape(obj)} \d+) from (.+)$")
-
-    def find_and_take(skip_rec=None, first=None):
-        nonlocal holding
-        for r in ([first] if first in order else []) + [r for r in order if r != first]:
-            if r == skip_rec:
-                continue
-            goto(r)
-            note_lamp()
-            for c in adm:
-                m = pat.match(c)
-                if m and m.group(1) not in done_objs and m.group(2) == r:
-                    act(c)
-                    holding = m.group(1)
-                    return
-        raise ExpertFailed(f"no {obj} found")
-
-    def first_of(rtype):                  # a room may lack the receptacle (no sinkbasin in a small bathroom)
-        r = next((r for r in order if r.rsplit(" ", 1)[0] == _name(rtype)), None)
-        if r is None:
-            raise ExpertFailed(f"no {_name(rtype)} in this room")
-        return r
-
-    def place(target_type):
-        dest = first_of(target_type)
-        goto(dest)
-        act(f"move {holding} to {dest}")
-        return dest
-
-    def use_tool(verb, tool_type):
-        tool = first_of(tool_type)
-        goto(tool)
-        act(f"{verb} {holding} with {tool}")
-
+    ex = _Expert(env, spec_obj, toggle, max_steps)
     if task_type == "look_at_obj_in_light":
-        find_and_take(first=first)
-        if lamp_at is None:
-            for r in order:
-                goto(r)
-                note_lamp()
-                if lamp_at:
-                    break
-        goto(lamp_at)
-        lamp = next((c for c in adm if c.startswith(f"use {_name(toggle)}")), None)
-        if lamp is None:
-            raise ExpertFailed("lamp not usable")
-        act(lamp)
+        _play_look_at_obj_in_light(ex, first)
     else:
-        find_and_take(first=first)
-        tool = {"pick_clean_then_place_in_recep": ("clean", "SinkBasin"),
-                "pick_heat_then_place_in_recep": ("heat", "Microwave"),
-                "pick_cool_then_place_in_recep": ("cool", "Fridge")}.get(task_type)
-        if tool:
-            use_tool(*tool)
-        dest = place(recep)
-        if task_type == "pick_two_obj_and_place":
-            done_objs.add(holding)
-            holding = None
-            find_and_take(skip_rec=dest)
-            place(recep)
-    trace.append((obs, []))
-    if not won:
+        _play_pick_and_place(ex, recep, task_type, first)
+    ex.trace.append((ex.obs, []))
+    if not ex.won:
         raise ExpertFailed("expert finished its plan without winning")
-    return actions, trace
+    return ex.actions, ex.trace
 
 
 # ---------------------------------------------------------------------------------------------

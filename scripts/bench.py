@@ -42,11 +42,14 @@ def bench(algo: str, a, out_dir: str) -> dict:
     expected = [s for s in expected if s != "replay" or algo == "rsipo"]
     missing = [s for s in expected if not any(f"time/{s}" in r for r in rows)]
     if missing:   # a renamed section would otherwise show as zeros
-        raise SystemExit(f"error: the trainer logged no time/{missing[0]} (it logs {sorted(k for k in rows[0] if k.startswith('time/'))})")
+        raise SystemExit(f"error: the trainer logged no time/{missing[0]} "
+                         f"(it logs {sorted(k for k in rows[0] if k.startswith('time/'))})")
     res = {f"time/{s}": mean(f"time/{s}") for s in SECTIONS}
     res["time/step"] = mean("time/step")
-    res["rollout_tokens_per_s"] = sum(r["rollout/gen_tokens"] for r in rows) / max(1e-9, sum(r["time/rollout"] for r in rows))
-    res["update_tokens_per_s"] = sum(r["update/seq_tokens"] for r in rows) / max(1e-9, sum(r["time/update"] for r in rows))
+    res["rollout_tokens_per_s"] = (sum(r["rollout/gen_tokens"] for r in rows)
+                                  / max(1e-9, sum(r["time/rollout"] for r in rows)))
+    res["update_tokens_per_s"] = (sum(r["update/seq_tokens"] for r in rows)
+                                 / max(1e-9, sum(r["time/update"] for r in rows)))
     res["turns_per_step"] = mean("train/turns")
     res["steps_measured"] = len(rows)
     return res

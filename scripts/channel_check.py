@@ -22,7 +22,8 @@ The arms (train.py flags on top of the common ones; `--arms` picks some):
   <arm>_wrong    any arm with the wrong-procedure skill (its right − wrong difference is paired by seed; BEST's is
                  the JSON's channel_right_minus_wrong)
 --quick runs BEST and gated_beta0 on 2 seeds with 3 episodes per held-out game (train.py's 5 elsewhere), under 30
-minutes on 2 cores from a clean checkout, the warm start included. One JSON: in_prompt_gain, in_prompt_se, in_prompt_wrong_gain, in_prompt_wrong_se, and per arm gain, se,
+minutes on 2 cores from a clean checkout, the warm start included.
+One JSON: in_prompt_gain, in_prompt_se, in_prompt_wrong_gain, in_prompt_wrong_se, and per arm gain, se,
 seeds (with each seed's start, end and gain, its eval curve, the means of its teacher diagnostics), transfer (gain /
 in_prompt_gain), and channel_right_minus_wrong.
 
@@ -244,14 +245,16 @@ def main(argv=None):
 def report(out: dict) -> str:
     lines = [f"setting {out['setting']} (data {out.get('data_root', '?')}), {out['env_steps']} env steps a run, seeds "
              f"{out['seeds']}, warm start {out['warm_start']}",
-             f"in the prompt (held-out, {out['in_prompt_games']} games, none {100 * out['in_prompt_none']:.1f}%): right "
+             f"in the prompt (held-out, {out['in_prompt_games']} games, "
+             f"none {100 * out['in_prompt_none']:.1f}%): right "
              f"skill {100 * out['in_prompt_gain']:+.1f} ± {100 * out['in_prompt_se']:.1f}, wrong skill "
              f"{100 * out['in_prompt_wrong_gain']:+.1f} ± {100 * out['in_prompt_wrong_se']:.1f}, right − wrong "
              f"{100 * out['in_prompt_right_minus_wrong']:+.1f} ± {100 * out['in_prompt_right_minus_wrong_se']:.1f}",
              f"{'arm':16s} {'gain ± s.e. (seeds)':>22s} {'transfer':>9s}  per seed (start → end)"]
     for arm, r in out["arms"].items():
         per = ", ".join(f"{100 * s['start']:.1f}→{100 * s['end']:.1f}" for s in r["seeds"])
-        lines.append(f"{arm:16s} {100 * r['gain']:+10.1f} ± {100 * r['se']:4.1f}      {100 * r['transfer']:7.0f}%  {per}")
+        lines.append(f"{arm:16s} {100 * r['gain']:+10.1f} ± {100 * r['se']:4.1f}      "
+                     f"{100 * r['transfer']:7.0f}%  {per}")
     for arm, r in out["arms"].items():
         if "right_minus_wrong" in r:
             c = r["right_minus_wrong"]

@@ -5,11 +5,13 @@ Each (algorithm, seed) is one `train.py` run in its own process, stopped when it
 RSIPO pays for its replays. By default every run starts from one shared warm start (built once,
 with the RSIPO warm-start data, so that it can also write skills), so the algorithms differ only
 in RL and the spread of `after warm start` over seeds is the evaluation noise. Runs that already
-finished are reused (their summary.json), so an interrupted comparison resumes. Writes <out>/compare.md (table), <out>/compare.json and
+finished are reused (their summary.json), so an interrupted comparison resumes.
+Writes <out>/compare.md (table), <out>/compare.json and
 <out>/compare.png (held-out success, and training success against environment steps).
 
     python scripts/compare.py                            # 3 seeds x grpo/opsd/rsipo, tiny default (README)
-    python scripts/compare.py --seeds 0 --algos grpo,rsipo --env_steps 4000 -- --steps 40   # extra train.py flags after --
+    python scripts/compare.py --seeds 0 --algos grpo,rsipo --env_steps 4000 \
+        -- --steps 40   # extra train.py flags after --
 """
 from __future__ import annotations
 
@@ -188,7 +190,8 @@ def main(argv=None):
     p.add_argument("--max_steps", type=int, default=100, help="RL step cap (the budget usually ends a run first)")
     p.add_argument("--out", default="runs/compare")
     p.add_argument("--warm_start", default="auto",
-                   help="'auto' (one shared warm start under <out>/warm_start), a model folder, or 'none' (each run its own)")
+                   help="'auto' (one shared warm start under <out>/warm_start), a model folder, "
+                        "or 'none' (each run its own)")
     p.add_argument("--collect", default="", help="tabulate runs that exist instead of running any: a comma list of "
                    "label=prefix, the runs of each seed S at <prefix><S> (e.g. grpo=runs/tb/grpo/grpo_s); the first is "
                    "the base of the paired differences")
@@ -225,7 +228,8 @@ def main(argv=None):
                 if r.get("eval/success") is not None and r.get("eval/success_at_start") is not None]
         # the mean gain over seeds and its standard error over seeds (std with n − 1, over √n)
         se = statistics.stdev(gain) / len(gain) ** 0.5 if len(gain) > 1 else float("nan")
-        table[algo] = {"start": start, "end": end, "gain": gain, "gain_mean": statistics.mean(gain) if gain else float("nan"),
+        table[algo] = {"start": start, "end": end, "gain": gain,
+                       "gain_mean": statistics.mean(gain) if gain else float("nan"),
                        "gain_se": se, "per_type": per, "rl_steps": steps,
                        "internals": [r["internals"] for r in runs]}
         lines.append(f"| {algo} | {fmt(start)} | {fmt(end)} | {fmt(gain)} | " + " | ".join(fmt(per[t]) for t in TYPES)
@@ -254,7 +258,8 @@ def main(argv=None):
             ax[2].errorbar(xs, ys, yerr=se, color=c, capsize=3, marker="o", label=algo)
         ax[0].errorbar([i - 0.1, i + 0.1],
                        [statistics.fmean(table[algo][k] or [0]) for k in ("start", "end")],
-                       yerr=[statistics.stdev(table[algo][k]) if len(table[algo][k]) > 1 else 0 for k in ("start", "end")],
+                       yerr=[statistics.stdev(table[algo][k]) if len(table[algo][k]) > 1 else 0
+                             for k in ("start", "end")],
                        fmt="o-", color=c, capsize=3)
     ax[0].set_xticks(range(len(res)), list(res)), ax[0].set_ylabel("held-out success (start → end)")
     ax[1].set_xlabel("environment steps"), ax[1].set_ylabel("training-rollout success"), ax[1].legend()

@@ -86,19 +86,22 @@ def parse(argv=None):
     p.add_argument("--size", default="0.5b", choices=sorted(SIZES), help="Qwen2.5 shape of the built model")
     p.add_argument("--model", default="", help="a local HF checkpoint instead of a built model")
     p.add_argument("--work_dir", default="/tmp/rsipo_gpu_check", help="where the model, the data and the runs go")
-    p.add_argument("--cache_dir", default="~/.cache/rsipo", help="where Qwen's tokenizer is converted (harness/tiny.py)")
+    p.add_argument("--cache_dir", default="~/.cache/rsipo",
+                   help="where Qwen's tokenizer is converted (harness/tiny.py)")
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="train.py --engine")
     p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--steps_a", type=int, default=2, help="RL steps of run A (a checkpoint each step)")
     p.add_argument("--steps_b", type=int, default=3, help="RL steps of run B, which resumes from A")
     p.add_argument("--sft_steps", type=int, default=60, help="SFT steps of run A's warm start")
-    p.add_argument("--sft_lr", type=float, default=1e-4, help="SFT learning rate (random weights: higher than a pretrained model's)")
+    p.add_argument("--sft_lr", type=float, default=1e-4,
+                   help="SFT learning rate (random weights: higher than a pretrained model's)")
     p.add_argument("--lr", type=float, default=1e-5, help="RL learning rate")
     p.add_argument("--tasks", type=int, default=8, help="--tasks_per_step")
     p.add_argument("--group", type=int, default=4, help="--group_size")
     p.add_argument("--eval_games", type=int, default=16, help="--eval_games (one episode each)")
     p.add_argument("--max_new_tokens", type=int, default=64, help="--max_new_tokens")
-    p.add_argument("--tol_gap", type=float, default=0.05, help="pass: the mean |sampler − trainer| log-prob gap and the "
+    p.add_argument("--tol_gap", type=float, default=0.05,
+                   help="pass: the mean |sampler − trainer| log-prob gap and the "
                    "mean |policy − π_old| gap before the first optimizer step, nats (loose: bf16 noise is ~0.01; a "
                    "mismatched copy is ~0.1)")
     p.add_argument("--quick", action="store_true", help="a check that fits one short GPU call (~6 min at 0.5B): 20 SFT "
@@ -169,7 +172,8 @@ def build_model(args, rank: int = 0) -> str:
 
 def compare(a: list[list[float]], b: list[torch.Tensor]) -> dict:
     """|Δ| between per-token log-prob lists (a sampler's) and tensors (the trainer's), over all tokens."""
-    d = torch.cat([(torch.tensor(x, dtype=torch.float32) - y.float()).abs() for x, y in zip(a, b) if len(x)])  # [tokens]
+    d = torch.cat([(torch.tensor(x, dtype=torch.float32) - y.float()).abs()
+                   for x, y in zip(a, b) if len(x)])  # [tokens]
     return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "tokens": int(d.numel())}
 
 
@@ -220,7 +224,8 @@ def train_cmd(args, model: str, sft, steps: int) -> list[str]:
             "--data_root", str(ROOT / "data" / "search_qa"), "--seed", str(args.seed), "--steps", str(steps),
             "--save_every", "1", "--tasks_per_step", str(args.tasks), "--group_size", str(args.group),
             "--mini_batch", str(args.tasks * args.group), "--lr", str(args.lr),
-            *(["--sft_data", str(sft), "--sft_steps", str(args.sft_steps), "--sft_lr", str(args.sft_lr), "--sft_batch", "16"]
+            *(["--sft_data", str(sft), "--sft_steps", str(args.sft_steps), "--sft_lr", str(args.sft_lr),
+               "--sft_batch", "16"]
               if args.sft_steps else ["--sft_steps", "0"]),
             "--eval_games", str(args.eval_games), "--eval_repeats", "1", "--max_new_tokens", str(args.max_new_tokens),
             "--skill_groups", "all",      # every task writes a skill, won or not: the check exercises every section
@@ -311,7 +316,8 @@ def main(argv=None) -> int:
     steps = [r for r in rows if "train/success" in r]
     res.update({"run_a": {"exit": rc_a, "seconds": round(t_a, 1), "phases": {k: v for k, v in summary_a.items()
                                                                             if k.startswith("phase/")},
-                          "eval_at_start": summary_a.get("eval/success_at_start"), "eval": summary_a.get("eval/success"),
+                          "eval_at_start": summary_a.get("eval/success_at_start"),
+                          "eval": summary_a.get("eval/success"),
                           "sft_final_loss": summary_a.get("sft/final_loss")},
                 "run_b": {"exit": rc_b, "seconds": round(t_b, 1), "phases": {k: v for k, v in summary_b.items()
                                                                             if k.startswith("phase/")},
@@ -343,13 +349,17 @@ def main(argv=None) -> int:
 
 def table(res: dict) -> str:
     """The results as a text table (stdout)."""
-    lines = [f"gpu_check | {res['device']} | torch {res['torch']} | Qwen2 {res['size']} ({res['matmul_params'] / 1e6:.0f} M "
+    lines = [f"gpu_check | {res['device']} | torch {res['torch']} | "
+             f"Qwen2 {res['size']} ({res['matmul_params'] / 1e6:.0f} M "
              f"matmul params) | engine {res['engine']} | {res['ranks']} rank(s) | peak {res['peak']}"]
     for s in res["steps"]:
-        lines.append(f"step {s['step']}: gen {s['gen_tokens_per_s']:.0f} tok/s | update {s['update_tokens_per_s']:.0f} tok/s, "
-                     f"MFU {s['update_mfu']:.3f} (per GPU) | sampler gap mean {s.get('rollout/logp_diff_mean', float('nan')):.4f} "
+        lines.append(f"step {s['step']}: gen {s['gen_tokens_per_s']:.0f} tok/s | "
+                     f"update {s['update_tokens_per_s']:.0f} tok/s, "
+                     f"MFU {s['update_mfu']:.3f} (per GPU) | "
+                     f"sampler gap mean {s.get('rollout/logp_diff_mean', float('nan')):.4f} "
                      f"max {s.get('rollout/logp_diff_max', float('nan')):.3f} | policy − π_old before the update "
-                     f"{s.get('update/first_logp_gap_mean', float('nan')):.4f} | skills valid {s.get('skill/valid_frac', 0):.2f}, "
+                     f"{s.get('update/first_logp_gap_mean', float('nan')):.4f} | "
+                     f"skills valid {s.get('skill/valid_frac', 0):.2f}, "
                      f"teacher {s.get('trust/frac_teacher', 0):.2f}")
         lines.append("   seconds " + " ".join(f"{k} {v:.1f}" for k, v in s["seconds"].items()))
         if s["mem_gib"]:

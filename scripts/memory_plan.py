@@ -142,7 +142,8 @@ def table(world: int = 8, gpu_gib: float = 80.0) -> str:
             e = estimate(cfg, world=world, gpu_gib=gpu_gib, **kw)
             rows.append(f"| {name} | {label} | {e['trainer_state']:.1f} | {e['reference']:.1f} | {e['teacher']:.1f} "
                         f"| {e['gathered_weights']:.1f} "
-                        f"| {e['activations']:.1f} | {e['logits']:.1f} | {e['vllm_awake']:.0f} / {e['vllm_asleep']:.0f} "
+                        f"| {e['activations']:.1f} | {e['logits']:.1f} "
+                        f"| {e['vllm_awake']:.0f} / {e['vllm_asleep']:.0f} "
                         f"| {e['rollout_phase']:.1f} | {e['update_phase']:.1f} | {'yes' if e['fits'] else '**no**'} |")
     return "\n".join(rows)
 
@@ -154,7 +155,8 @@ def measure(cache_dir: str, batch: int, prompt: int, response: int, models=("qwe
     for model in models:
         for ckpt in ckpts:
             cmd = [sys.executable, str(ROOT / "scripts" / "bench_memory.py"), "--one", model, "update", "response",
-                   "--batch", str(batch), "--prompt", str(prompt), "--response", str(response), "--cache_dir", cache_dir]
+                   "--batch", str(batch), "--prompt", str(prompt), "--response", str(response),
+                   "--cache_dir", cache_dir]
             cmd += ["--grad_ckpt"] if ckpt else []
             # glibc returns a freed large block to the system only above its mmap threshold, which it raises
             # as blocks are freed; fixed at 128 KiB, the process's peak resident memory follows the live tensors

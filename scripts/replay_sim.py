@@ -7,7 +7,8 @@ for skills from won and from lost episodes alike, under each `--replay_control`?
 bias of the group control: a won-source task's control is known to hold a win, a lost-source task's to hold
 none.) tests/test_replay_control.py asserts it; the command below compares the designs.
 
-    python scripts/replay_sim.py                       # fresh / split / group at a 6% base rate (the default run's start)
+    python scripts/replay_sim.py                       # fresh / split / group at a 6% base rate
+                                                       # (the default run's start)
     python scripts/replay_sim.py --p_mean 0.25 --won_effect 0.0 --lost_effect -0.1
 
 Only the environment and the generator are simulated, and only in the way that the estimator cannot tell

@@ -36,7 +36,8 @@ With --own it measures the policy's own skills instead, the way the trainer writ
 independent control (the ground truth that the replay gain and `--calibrate` estimate). For each game it plays
 --sources skill-free episodes at the training temperature, and the policy writes a skill from a won one and
 from a lost one (`write_skills`' analyzer prompt and decoding at --skill_temperature, one retry; from the same
-won episode once per temperature listed, 0 = greedy). Each skill is then played --repeats times, and so are a skill-free control
+won episode once per temperature listed, 0 = greedy).
+Each skill is then played --repeats times, and so are a skill-free control
 (its own episodes, not those the source came from) and the generic type-level skill. It prints, per condition,
 the gain over the control paired over games, and how the skills fare under the skill rule (they name the
 task's object and target: `skills.names_task`).
@@ -259,7 +260,8 @@ def premise(games_won: dict) -> dict | None:
     wrong, wrong_se, _ = rollout.paired_gain(games_won["none"], games_won["other"])
     diff, diff_se, _ = rollout.paired_gain(games_won["other"], games_won["generic"])
     go = 100 * right >= PREMISE_POINTS and diff > 2 * diff_se
-    line = (f"premise check: {'GO' if go else 'NO-GO'}: the right skill {100 * right:+.1f} ± {100 * right_se:.1f} points "
+    line = (f"premise check: {'GO' if go else 'NO-GO'}: "
+            f"the right skill {100 * right:+.1f} ± {100 * right_se:.1f} points "
             f"over none (needs ≥ {PREMISE_POINTS:g}), a wrong-type skill {100 * wrong:+.1f} ± {100 * wrong_se:.1f}, "
             f"right − wrong {100 * diff:+.1f} ± {100 * diff_se:.1f} (needs > 2 s.e.), {n} games")
     return {"right_minus_none": right, "right_se": right_se, "wrong_minus_none": wrong, "wrong_se": wrong_se,
@@ -272,7 +274,9 @@ def _task_of(gamefile: str) -> str:
     return envs.task_from_intro(steps[0]["obs"])
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line. The flags not given take what train.py would use for this model (the tiny preset's, or
+    the released ones), the temperature 0.4 (1 with --own); a --model without config.json is refused."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face model folder (e.g. runs/default/warm_start)")
     p.add_argument("--data_root", default="data/alfworld")
@@ -309,7 +313,13 @@ def main(argv=None):
             setattr(a, k, defaults[k])
     if a.temperature is None:
         a.temperature = 1.0 if a.own else 0.4
+    return a
 
+
+def choose_games(a) -> tuple[list[str], list[str], dict[str, str]]:
+    """(split, games, types): the split's games of the --types probed, in the order of train.py's --eval_games
+    evaluation, the first --games of them, and each game's task type. Refused when no game has those types or
+    a game has no walkthrough.json (the oracle, generic and other skills are written from it)."""
     split = list_games(a.data_root, a.split)
     types = {g: game_task_type(g) for g in split}
     if a.types != "all":
@@ -324,9 +334,15 @@ def main(argv=None):
     if no_truth:   # the oracle, generic and other skills are written from each game's walkthrough.json
         raise SystemExit(f"error: {len(no_truth)} of the {len(split)} games in {a.data_root} {a.split} have no "
                          f"walkthrough.json beside them (e.g. {no_truth[0]}): the probe's skills need it")
+    return split, games, types
+
+
+def skill_conditions(a, split: list[str], games: list[str], types: dict[str, str], rng) -> dict:
+    """The conditions to play, name -> {game: skill} (None for none): none, oracle, generic, wrong (when every
+    probed type has a tool), wrong_place (when every game has one), other (when the split has another type),
+    those outside --conditions dropped (none, oracle and generic are always played)."""
     oracle = {g: tiny.oracle_skill_of_game(g) for g in games}
     generic = {g: tiny.generic_skill_of_game(g) for g in games}
-    rng = random.Random(a.seed)
     other = {}
     for g in games:   # the oracle skill of a game of another type, from the whole split (--games 1 has no other)
         pick = [h for h in split if types[h] != types[g]]
@@ -347,32 +363,28 @@ def main(argv=None):
         print(f"no game of another task type in {a.split}: the 'other' condition is left out")
     if a.conditions != "all":             # the none episodes are the control and the teacher's view: always played
         conds = {k: v for k, v in conds.items() if k in {"none", "oracle", "generic", *a.conditions.split(",")}}
-    from transformers import AutoModelForCausalLM
-    tok = rollout.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    engine = HFEngine(model, tok, max_new_tokens=a.max_new_tokens)
-    facts = {}
-    if a.bank:
-        bank = json.loads(Path(a.bank).read_text())["skills"]
-        facts = score_bank(bank)
-        print(f"banked skills against their games' truth (share naming it; {a.bank}):")
-        print(f"{'type':8s}{'skills':>8s}" + "".join(f"{k:>12s}" for k in ("object", "target", "tool", "place", "wrong_tool")))
-        for ttype, r in facts.items():
-            print(f"{ttype:8s}{r['skills']:8d}" + "".join(f"{100 * r[k]:11.0f}%" for k in
-                                                           ("object", "target", "tool", "place", "wrong_tool")))
-        conds["bank"] = {g: rng.choice(bank[types[g]])["text"] for g in games if bank.get(types[g])}
+    return conds
 
-    pool = EnvPool(num_workers=a.workers, max_steps=a.max_turns)
-    if a.own:
-        try:
-            out = own_skills(engine, pool, games, generic, a)
-        finally:
-            pool.close()
-        if a.out:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps({"args": vars(a), **out}, indent=1))
-            print(f"saved {a.out}")
-        return out
+
+def bank_condition(a, games: list[str], types: dict[str, str], rng, conds: dict) -> dict:
+    """--bank: print the banked skills against their games' truth (`score_bank`) and add the 'bank' condition to
+    `conds` (a banked skill of each game's type, where the bank has one); return the scores."""
+    bank = json.loads(Path(a.bank).read_text())["skills"]
+    facts = score_bank(bank)
+    print(f"banked skills against their games' truth (share naming it; {a.bank}):")
+    print(f"{'type':8s}{'skills':>8s}"
+          + "".join(f"{k:>12s}" for k in ("object", "target", "tool", "place", "wrong_tool")))
+    for ttype, r in facts.items():
+        print(f"{ttype:8s}{r['skills']:8d}" + "".join(f"{100 * r[k]:11.0f}%" for k in
+                                                       ("object", "target", "tool", "place", "wrong_tool")))
+    conds["bank"] = {g: rng.choice(bank[types[g]])["text"] for g in games if bank.get(types[g])}
+    return facts
+
+
+def play_conditions(engine, pool, conds: dict, games: list[str], a) -> tuple[dict, dict, list]:
+    """Play --repeats episodes of every game under each condition, from the same sampling seed (paired
+    episodes); return (success per condition, each game's success per condition, the none episodes). The pool is
+    closed at the end."""
     results, games_won, eps_none = {}, {}, None
     try:
         for name, sk in conds.items():
@@ -390,9 +402,12 @@ def main(argv=None):
                   flush=True)
     finally:
         pool.close()
+    return results, games_won, eps_none
 
-    # the skills the policy writes itself after its won 'none' episodes (the analyzer prompt, T 1), against
-    # their games' truth: valid, and naming the object, the target, the tool of the type
+
+def skills_after_wins(engine, eps_none: list, a) -> dict:
+    """The skills the policy writes itself after its won 'none' episodes (the analyzer prompt, T 1), against
+    their games' truth: valid, and naming the object, the target, the tool of the type, the place; printed."""
     won = [e for e in eps_none if e.won]
     gens = engine.generate([analyzer_prompt(e.task, True, e.steps) for e in won], temperature=1.0,
                            max_new_tokens=config.TINY["skill_max_tokens"] if tiny.is_tiny(a.model)
@@ -400,12 +415,18 @@ def main(argv=None):
     texts = [parse_skill(g.text) for g in gens]
     fs = [tiny.skill_facts(t, tiny.walkthrough_of(e.task_id)) for t, e in zip(texts, won) if t]
     written = {"won_episodes": len(won), "valid": sum(t is not None for t in texts),
-               **{k: (sum(f[k] for f in fs) / len(fs) if fs else float("nan")) for k in ("object", "target", "tool", "place")},
+               **{k: (sum(f[k] for f in fs) / len(fs) if fs else float("nan"))
+                  for k in ("object", "target", "tool", "place")},
                "examples": [t for t in texts if t][:3]}
     print(f"skills written after {len(won)} won episodes: {written['valid']} valid; naming the tool "
-          f"{100 * written['tool']:.0f}%, the object {100 * written['object']:.0f}%, the place {100 * written['place']:.0f}%")
+          f"{100 * written['tool']:.0f}%, the object {100 * written['object']:.0f}%, "
+          f"the place {100 * written['place']:.0f}%")
+    return written
 
-    # the teacher's view of the student's own turns (no skill in the student's prompt)
+
+def teacher_token_gaps(model, tok, engine, pool, eps_none: list, conds: dict) -> dict:
+    """The teacher's view of the student's own turns (no skill in the student's prompt): per skill (oracle,
+    generic), `token_gaps` of the same response tokens scored with the skill after the task line."""
     turns = [(e, tr) for e in eps_none for tr in e.turns]
     student = [(tr.prompt_ids, tr.response_ids) for _, tr in turns]
     ls = rollout.score_tokens(model, student, tok.pad_token_id, "cpu", 32)
@@ -415,9 +436,12 @@ def main(argv=None):
                    for e, tr in turns]
         lt = rollout.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
         gaps[name] = token_gaps([t - s for t, s in zip(lt, ls)], [tr for _, tr in turns], tok)
-    gap = gaps["oracle"]
+    return gaps
 
-    # each condition against none, paired over games (the same sampling seed in every condition)
+
+def compare_with_none(results: dict, games_won: dict) -> dict:
+    """Each condition against none, paired over games (the same sampling seed in every condition), and the
+    right procedure against the wrong one and the right place against the wrong one where both were played."""
     vs_none = {name: dict(zip(("gain", "se", "games"), rollout.paired_gain(games_won["none"], games_won[name])))
                for name in results if name != "none"}
     if "wrong" in results:                # what the procedure itself is worth: the right workflow against the wrong
@@ -426,12 +450,19 @@ def main(argv=None):
     if "wrong_place" in results:          # what the place is worth: the oracle skill against the wrong place
         vs_none["oracle_minus_wrong_place"] = dict(zip(("gain", "se", "games"), rollout.paired_gain(
             games_won["wrong_place"], games_won["oracle"])))
+    return vs_none
+
+
+def print_report(a, games: list[str], results: dict, vs_none: dict, gaps: dict):
+    """Print the success table per condition and task type with each condition's gain over none, the paired
+    differences, and the teacher's token gaps per skill."""
     cols = ["all"] + sorted({k for r in results.values() for k in r} - {"all"})
     print(f"\nheld-out success (%), {len(games)} games x {a.repeats} episodes, T {a.temperature}, {a.model}")
     print(f"{'condition':10s}" + "".join(f"{c:>8s}" for c in cols))
     for name, r in results.items():
         print(f"{name:10s}" + "".join(f"{100 * r.get(c, float('nan')):8.1f}" for c in cols)
-              + (f"   vs none {100 * vs_none[name]['gain']:+.1f} ± {100 * vs_none[name]['se']:.1f}" if name in vs_none else ""))
+              + (f"   vs none {100 * vs_none[name]['gain']:+.1f} ± {100 * vs_none[name]['se']:.1f}"
+                 if name in vs_none else ""))
     for k in ("generic_minus_wrong", "oracle_minus_wrong_place"):
         if k in vs_none:
             d = vs_none[k]
@@ -447,15 +478,46 @@ def main(argv=None):
             if g[f"tokens_{part}"]:
                 print(f"  {part:13s} {g[f'tokens_{part}']:6d} tokens, gap {g[f'gap_{part}']:+.4f} nat/token, "
                       f"teacher higher on {100 * g[f'share_higher_{part}']:.0f}%")
+
+
+def write_json(path: str, results: dict):
+    """Write the results as JSON at `path` (its folder made) and say so."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=1))
+    print(f"saved {path}")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    split, games, types = choose_games(a)
+    rng = random.Random(a.seed)
+    conds = skill_conditions(a, split, games, types, rng)
+    from transformers import AutoModelForCausalLM
+    tok = rollout.load_tokenizer(a.model)   # with a chat template (else a clear error) and a pad that is not EOS
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    engine = HFEngine(model, tok, max_new_tokens=a.max_new_tokens)
+    facts = bank_condition(a, games, types, rng, conds) if a.bank else {}
+
+    pool = EnvPool(num_workers=a.workers, max_steps=a.max_turns)
+    if a.own:
+        try:
+            out = own_skills(engine, pool, games, conds["generic"], a)
+        finally:
+            pool.close()
+        if a.out:
+            write_json(a.out, {"args": vars(a), **out})
+        return out
+    results, games_won, eps_none = play_conditions(engine, pool, conds, games, a)
+    written = skills_after_wins(engine, eps_none, a)
+    gaps = teacher_token_gaps(model, tok, engine, pool, eps_none, conds)
+    vs_none = compare_with_none(results, games_won)
+    print_report(a, games, results, vs_none, gaps)
     verdict = premise(games_won)
     if verdict:
         print("\n" + verdict["line"])
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"args": vars(a), "success": results, "vs_none": vs_none, "gap": gap,
-                                           "gaps": gaps, "premise": verdict,
-                                           "bank_facts": facts, "written": written}, indent=1))
-        print(f"saved {a.out}")
+        write_json(a.out, {"args": vars(a), "success": results, "vs_none": vs_none, "gap": gaps["oracle"],
+                           "gaps": gaps, "premise": verdict, "bank_facts": facts, "written": written})
 
 
 if __name__ == "__main__":

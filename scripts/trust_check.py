@@ -4,7 +4,8 @@ Each RSIPO run started with `--calibrate M` writes calibration.jsonl: per scored
 posterior under eb and under raw trust, from the same replay) and the gain of a fresh, independent
 replay of the skill. This script pools those rows over the runs given, and prints and writes, for eb and
 raw: tasks, ties, the Brier score, the base-rate Brier (a constant forecast), the Brier score over the
-tasks without a tie, the reliability bins, and the same per run. Writes <out>/trust_check.json and <out>/trust_check.png (the reliability plot).
+tasks without a tie, the reliability bins, and the same per run.
+Writes <out>/trust_check.json and <out>/trust_check.png (the reliability plot).
 
     python scripts/trust_check.py runs/tb_cmp/rsipo_s0 runs/tb_cmp/rsipo_s1 runs/tb_cmp/rsipo_s2 --out results/tb_cmp
 """
@@ -52,7 +53,8 @@ def main(argv=None) -> int:
     print("\nreliability (pooled): λ bin, tasks, mean λ, share the fresh replay won (ties ½), mean fresh gain")
     for mode, t in res["pooled"].items():
         for b in t["bins"]:
-            print(f"  {mode:4s} [{b['lo']:.1f}, {b['hi']:.1f})  {b['n']:4d}  {b['trust']:.3f}  {b['helped']:.3f}  {b['gain']:+.3f}")
+            print(f"  {mode:4s} [{b['lo']:.1f}, {b['hi']:.1f})  {b['n']:4d}  "
+                  f"{b['trust']:.3f}  {b['helped']:.3f}  {b['gain']:+.3f}")
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)

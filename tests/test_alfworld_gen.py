@@ -1,4 +1,5 @@
-"""The game generator (scripts/alfworld_gen.py): real scenes in, official-layout games out, walkthroughs that win in the engine."""
+"""The game generator (scripts/alfworld_gen.py): real scenes in, official-layout games out,
+walkthroughs that win in the engine."""
 import json
 import random
 import sys
@@ -134,7 +135,8 @@ class _RoomWithoutSink:
 
     def step(self, cmd):
         if cmd == "go to countertop 1":
-            return _State("On the countertop 1, you see a cloth 1.", ["take cloth 1 from countertop 1", "go to cabinet 1"]), 0, False
+            return _State("On the countertop 1, you see a cloth 1.",
+                          ["take cloth 1 from countertop 1", "go to cabinet 1"]), 0, False
         return _State("You pick up the cloth 1.", ["go to countertop 1", "go to cabinet 1"]), 0, False
 
 

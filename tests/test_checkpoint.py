@@ -325,7 +325,8 @@ def test_sigterm_mid_run_then_restart_matches_the_uninterrupted_run(tmp_path):
 
     def steps(run):
         rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows if "train/success" in r]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))}
+                for r in rows if "train/success" in r]
 
     full, cut = steps("full"), steps("cut")
     assert [r["step"] for r in cut] == [1, 2, 3]

@@ -55,7 +55,8 @@ def test_presets_merge_in_order_and_name_themselves():
     assert merged["constrained"] == (False, "search") and merged["lr"] == (5e-5, "tiny")        # search wins over tiny
     assert merged["step_adv"] == (1.0, "gigpo")
     real = {"model": "Qwen/Qwen2.5-7B-Instruct", "env": "alfworld", "algo": "rsipo", "preset": "heldout"}
-    assert [n for n, _ in config.presets_for(real, gpu=True)] == ["gpu"]                        # heldout is the tiny run's
+    assert [n for n, _ in config.presets_for(real, gpu=True)] == ["gpu"]                        # heldout is
+                                                                                                # the tiny run's
     assert config.presets_for(real, gpu=False) == []
     assert list(config.PRESETS) == ["tiny", "gpu", "heldout", "search", "gigpo"]
     assert all(isinstance(why, str) and why and "\n" not in why for why, _ in config.PRESETS.values())

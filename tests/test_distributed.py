@@ -122,7 +122,8 @@ except RuntimeError as e:
     guard = "gathered" in str(e)
 model.reshard()
 out = {"rank": D.RANK,
-       "teacher_equal": sorted(teacher_full) == sorted(want) and all(torch.equal(teacher_full[k], want[k]) for k in want),
+       "teacher_equal": sorted(teacher_full) == sorted(want)
+                        and all(torch.equal(teacher_full[k], want[k]) for k in want),
        "teacher_sharded": all(hasattr(p, "to_local") for p in teacher.parameters()),
        "teacher_tied": teacher.lm_head.weight is teacher.model.embed_tokens.weight,
        "teacher_buffers": all(torch.equal(b, ref_buffers[n]) for n, b in teacher.named_buffers()),
@@ -135,7 +136,8 @@ out = {"rank": D.RANK,
        "n_buffers": len(list(model.named_buffers())),
        "copy_equal": all(torch.equal(v, want[k]) for k, v in copy.state_dict().items()),
        "eos": model.generation_config.eos_token_id,
-       "tied": model.lm_head.weight is model.model.embed_tokens.weight and len(list(model.parameters())) == len(list(ref.parameters())),
+       "tied": model.lm_head.weight is model.model.embed_tokens.weight
+               and len(list(model.parameters())) == len(list(ref.parameters())),
        "copy_tied": copy.lm_head.weight is copy.model.embed_tokens.weight,
        "roll_params_bf16": all(p.dtype == torch.bfloat16 for p in roll.parameters()),
        "roll_buffers_exact": all(b.dtype == ref_buffers[n].dtype and torch.equal(b, ref_buffers[n])

@@ -23,7 +23,8 @@ import envs  # noqa: E402
 from infra.env_backends import TASK_TYPES, EnvDataError, GameCache, game_task_type, list_games  # noqa: E402
 from env_doubles import SLEEP, SleepyEnv  # noqa: E402
 import skills  # noqa: E402
-from envs import MAX_ACTION_CHARS, NOTHING_HAPPENS, R_WIN, AlfWorldEnv, EnvPool, build_prompt, parse_action  # noqa: E402
+from envs import (MAX_ACTION_CHARS, NOTHING_HAPPENS, R_WIN, AlfWorldEnv, EnvPool, build_prompt,
+                  parse_action)  # noqa: E402
 
 DATA = os.path.join(ROOT, "data", "alfworld")
 needs_games = pytest.mark.skipif(not os.path.isdir(os.path.join(DATA, "json_2.1.1", "train")),

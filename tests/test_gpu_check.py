@@ -33,7 +33,8 @@ def test_gpu_check_runs_train_py_end_to_end_on_cpu(tmp_path):
     assert "--micro_batch 2" in log_a and "--teacher_weights ema" in log_a   # arguments reach train.py
     ph = res["run_a"]["phases"]
     assert {"phase/time/sft", "phase/time/eval_at_start", "phase/time/save", "phase/time/eval"} <= set(ph)
-    assert set(res["run_b"]["phases"]) >= {"phase/time/save", "phase/time/eval"} and "phase/time/sft" not in res["run_b"]["phases"]
+    assert (set(res["run_b"]["phases"]) >= {"phase/time/save", "phase/time/eval"}
+           and "phase/time/sft" not in res["run_b"]["phases"])
     s = res["steps"][0]
     assert s["gen_tokens"] > 0 and s["update_tokens"] > 0 and s["update_tokens_per_s"] > 0
     assert set(s["seconds"]) >= {"rollout", "skills", "score", "update", "sync", "step"}

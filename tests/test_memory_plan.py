@@ -63,7 +63,8 @@ def test_gpu_defaults_fit_7b_on_eight_80gb_gpus_and_the_old_flags_do_not():
 
 
 def _merged(model: str, gpu: bool) -> dict:
-    return {k: v for k, (v, _) in config.preset_values({"model": model, "env": "alfworld", "algo": "rsipo"}, gpu).items()}
+    return {k: v
+            for k, (v, _) in config.preset_values({"model": model, "env": "alfworld", "algo": "rsipo"}, gpu).items()}
 
 
 def test_real_models_on_a_gpu_get_the_gpu_defaults_unless_flags_say_otherwise(monkeypatch):

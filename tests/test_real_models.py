@@ -258,7 +258,8 @@ def test_tiny_qwen_on_two_ranks_loads_sharded_trains_and_resumes(tiny_qwen, tmp_
             str(ROOT / "train.py"), "--model", str(tiny_qwen), "--algo", "rsipo", "--sft_steps", "0", "--eval", "false",
             "--tasks_per_step", "2", "--group_size", "2", "--max_turns", "2", "--history_len", "1",
             "--max_new_tokens", "16", "--skill_max_tokens", "24", "--drop_zero_adv", "false", "--lr", "1e-3",
-            "--replay_m", "1", "--save_every", "1", "--env_workers", "1", "--out_dir", str(tmp_path), "--run_name", "q2"]
+            "--replay_m", "1", "--save_every", "1", "--env_workers", "1", "--out_dir", str(tmp_path),
+            "--run_name", "q2"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for steps in ("1", "2"):
         r = subprocess.run(argv + ["--steps", steps], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -95,7 +95,8 @@ GOOD = '{"skill": "take the apple, clean it in the sinkbasin, put it in the frid
     ([False, False, False, True], {}, "won", "obs 3"),                                    # the won one
     ([False] * 4, {}, None, None),                                                        # no win: no skill
     ([False] * 4, {"skill_groups": "all"}, "lost", None),                                 # the paper's: a lost one
-    ([False, False, False, True], {"replay_control": "split"}, None, None),               # the win is in the control half
+    ([False, False, False, True], {"replay_control": "split"}, None, None),               # the win is in
+                                                                                          # the control half
     ([False, False, False, True], {"replay_control": "split", "skill_groups": "all"}, "lost", None),
     ([False, True, False, False], {"replay_control": "split"}, "won", "obs 1"),
 ])

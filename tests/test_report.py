@@ -212,7 +212,8 @@ def test_no_trust_check_without_calibration(tmp_path):
 def test_held_out_type_leads_the_table_by_type(tmp_path):
     run = tmp_path / "h"
     run.mkdir()
-    _write(run, "config.json", {"run_name": "h", "algo": "grpo", "sft_hold_out": "heat", "sft_hold_out_mode": "teacher"})
+    _write(run, "config.json", {"run_name": "h", "algo": "grpo",
+                                "sft_hold_out": "heat", "sft_hold_out_mode": "teacher"})
     _write(run, "summary.json", {"eval/success_at_start": 0.3, "eval/success": 0.4,
                                  "eval_at_start/success_pick": 0.5, "eval/success_pick": 0.5,
                                  "eval_at_start/success_heat": 0.1, "eval/success_heat": 0.3})
@@ -231,9 +232,11 @@ def test_held_out_type_leads_the_table_by_type(tmp_path):
 def test_by_source_table_weights_each_step_by_its_skills_of_that_source():
     # step 1: 3 won-source skills (reward 0.2, gain 0.3, λ 0.6), 1 lost-source (reward -1, no replay logged);
     # step 2: 1 won-source (reward -0.2, gain 0.1, λ 0.2), no lost-source skill
-    rows = [{"step": 1, "skill/won_sources": 3.0, "skill/won_reward": 0.2, "replay/won_gain": 0.3, "trust/won_mean": 0.6,
+    rows = [{"step": 1, "skill/won_sources": 3.0, "skill/won_reward": 0.2, "replay/won_gain": 0.3,
+             "trust/won_mean": 0.6,
              "skill/lost_sources": 1.0, "skill/lost_reward": -1.0},
-            {"step": 2, "skill/won_sources": 1.0, "skill/won_reward": -0.2, "replay/won_gain": 0.1, "trust/won_mean": 0.2,
+            {"step": 2, "skill/won_sources": 1.0, "skill/won_reward": -0.2, "replay/won_gain": 0.1,
+             "trust/won_mean": 0.2,
              "skill/lost_sources": 0.0}]
     t = R.by_source_table(rows)
     assert t["won"]["written"] == 4 and t["won"]["reward"] == pytest.approx((3 * 0.2 - 0.2) / 4)

@@ -194,4 +194,5 @@ def test_a_run_whose_every_episode_breaks_says_why_and_exits_non_zero(tmp_path, 
                                          r"environment is broken"):
         T.main(SMALL + ["--sft_steps", "0", "--data_root", str(data), "--out_dir", str(tmp_path), "--run_name", "b"])
     out = capsys.readouterr().out
-    assert "warning: step 1: every one of its 4 episodes ended in an env error, so it learns nothing; the first: " in out
+    assert ("warning: step 1: every one of its 4 episodes ended in an env error, so it learns nothing; "
+            "the first: " in out)

@@ -147,7 +147,8 @@ def test_load_qa_search_r1_layouts(tmp_path):
     assert rows[1]["id"] == "hotpotqa:test-7" and rows[1]["question"] == "Which city?"
     assert rows[1]["golden_answers"] == ["Paris"] and rows[1]["task_type"] == "multi"
     assert rows[2]["id"] == "bamboogle:test_0" and rows[2]["golden_answers"] == ["solo"]  # same raw id, other source
-    assert [r["id"] for r in env_backends.list_qa(str(tmp_path), "test", ["multi"])] == ["hotpotqa:test-7", "bamboogle:test_0"]
+    assert ([r["id"] for r in env_backends.list_qa(str(tmp_path), "test", ["multi"])]
+            == ["hotpotqa:test-7", "bamboogle:test_0"])
 
 
 @pytest.mark.parametrize("rows, match", [
@@ -155,7 +156,8 @@ def test_load_qa_search_r1_layouts(tmp_path):
     ([{"question": "q", "golden_answers": ["a"], "data_source": "webqa"}], r"test.jsonl:1 .* has data_source 'webqa'"),
     ([{"question": "q", "data_source": "nq"}], r"test.jsonl:1 .* has no 'golden_answers'"),
     ([{"golden_answers": ["a"], "data_source": "nq"}], r"test.jsonl:1 \(fields found: \['data_source', "
-                                                       r"'golden_answers'\]\) has no 'question'; accepted layouts: FlashRAG"),
+                                                       r"'golden_answers'\]\) has no 'question'; "
+                                                       r"accepted layouts: FlashRAG"),
     ([{"id": 1, "question": "q", "golden_answers": ["a"], "data_source": "nq"}] * 2, r"repeated ids"),
 ])
 def test_load_qa_errors_name_file_and_record(tmp_path, rows, match):
@@ -182,7 +184,8 @@ def test_corpus_errors(tmp_path):
     ok = {"id": "a", "title": "T", "text": "x"}
     with pytest.raises(EnvDataError, match=r"c.jsonl:2: invalid JSON"):
         env_backends.load_corpus(_write(tmp_path / "c.jsonl", [ok, "{bad"]))
-    with pytest.raises(EnvDataError, match=r"c.jsonl:2: a passage in no known layout \(fields found: \['id', 'text'\]\); "
+    with pytest.raises(EnvDataError, match=r"c.jsonl:2: a passage in no known layout "
+                                           r"\(fields found: \['id', 'text'\]\); "
                                            r"accepted.*wiki-18.*pyserini"):
         env_backends.load_corpus(_write(tmp_path / "c.jsonl", [ok, {"id": "b", "text": "no title"}]))
     with pytest.raises(EnvDataError, match="c.jsonl:2: repeats passage id 'a'"):
@@ -195,7 +198,8 @@ def test_corpus_layouts_wiki18_and_pyserini(tmp_path):
     wiki = _write(tmp_path / "wiki.jsonl", [{"id": "0", "contents": '"Aaron"\nAaron is a prophet in the Bible.'},
                                             {"id": 1, "contents": '"Abba (band)"\nAbba were a Swedish pop group.'}])
     assert env_backends.load_corpus(wiki) == [{"id": "0", "title": "Aaron", "text": "Aaron is a prophet in the Bible."},
-                                              {"id": "1", "title": "Abba (band)", "text": "Abba were a Swedish pop group."}]
+                                              {"id": "1", "title": "Abba (band)",
+                                               "text": "Abba were a Swedish pop group."}]
     pys = _write(tmp_path / "pys.jsonl", [{"id": "d7", "title": "Marnel", "text": "Marnel is a city.",
                                            "contents": "Marnel\nMarnel is a city."}])
     assert env_backends.load_corpus(pys) == [{"id": "d7", "title": "Marnel", "text": "Marnel is a city."}]
@@ -298,7 +302,8 @@ def test_bm25_retrieves_the_gold_passage(bm25, qa):
 
 def test_bm25_index_is_cached_by_content(tmp_path):
     corpus = tmp_path / "c.jsonl"
-    _write(corpus, [{"id": "1", "title": "Alpha", "text": "red fox"}, {"id": "2", "title": "Beta", "text": "blue whale"}])
+    _write(corpus, [{"id": "1", "title": "Alpha", "text": "red fox"},
+                    {"id": "2", "title": "Beta", "text": "blue whale"}])
     first = env_backends.BM25Retriever(str(corpus))
     assert not first.from_cache and os.path.isdir(first.cache_dir)
     second = env_backends.BM25Retriever(str(corpus))
@@ -490,7 +495,8 @@ def test_hf_engine_stop_texts(tmp_path):
     from harness import tiny
     import train as T
     from rollout import HFEngine
-    tok = tiny.train_tiny_tokenizer(["a b <search> c </search> <answer> d </answer> user assistant"], tiny.SEARCH_SPECIALS)
+    tok = tiny.train_tiny_tokenizer(["a b <search> c </search> <answer> d </answer> user assistant"],
+                                    tiny.SEARCH_SPECIALS)
     model = tiny.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
     eng = HFEngine(model, tok, max_new_tokens=4, stop_texts=list(envs.SearchPool.stop_texts))
     assert eng.stop_ids == [tok.convert_tokens_to_ids("</search>"), tok.convert_tokens_to_ids("</answer>")]
@@ -658,7 +664,8 @@ def test_bm25_keeps_an_installed_jax_off_the_gpu(tmp_path):
     log = tmp_path / "jax.log"
     code = ("import sys; sys.path.insert(0, %r); from infra import env_backends\n"
             "r = env_backends.BM25Retriever(%r, cache=False)\n"
-            "print(len(r.search(['Sorhal Corcorix', 'mayor of Eskqui'], k=2)))") % (str(ROOT), str(ROOT / "data/search_qa/corpus.jsonl"))
+            "print(len(r.search(['Sorhal Corcorix', 'mayor of Eskqui'], k=2)))") % (
+        str(ROOT), str(ROOT / "data/search_qa/corpus.jsonl"))
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env.update(PYTHONPATH=str(tmp_path / "fake"), FAKE_JAX_LOG=str(log))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -712,7 +719,8 @@ def test_retrieval_goes_in_batches_and_a_slow_batch_fails_only_its_episodes(bm25
     t0 = time.monotonic()
     out = pool.step(["<search> Rhobeltek </search>", "<search> Marnel </search>", "<search> Torix </search>"])
     assert time.monotonic() - t0 < 3.0
-    assert slow.requests == ([["Rhobeltek"], ["Marnel"], ["Torix"]] if batch == 1 else [["Rhobeltek", "Marnel"], ["Torix"]])
+    assert slow.requests == ([["Rhobeltek"], ["Marnel"], ["Torix"]]
+                             if batch == 1 else [["Rhobeltek", "Marnel"], ["Torix"]])
     for i in range(3):
         obs, r, done, info = out[i]
         if i in failed:

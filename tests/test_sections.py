@@ -192,7 +192,8 @@ def test_the_bank_teaches_a_task_without_a_trusted_skill_its_types_best_skill_ma
     run = _run(args)
     run.bank.add("clean", "clean the bowl at the sinkbasin, then put the bowl in the cabinet.", 0.5, 0.3, "g1", 1,
                  trust=0.6, task="put a clean bowl in cabinet.")
-    run.bank.add("clean", "a weaker skill about the bowl", 0.2, 0.1, "g2", 1, trust=0.9, task="put a clean bowl in cabinet.")
+    run.bank.add("clean", "a weaker skill about the bowl", 0.2, 0.1, "g2", 1,
+                 trust=0.9, task="put a clean bowl in cabinet.")
     recs = [T.TaskRecord("t1", "clean", skill="its own", trust=0.7, task="put a clean cup in desk."),   # trusted
             T.TaskRecord("t2", "clean", task="put a clean mug in shelf."),                     # no win, no skill
             T.TaskRecord("t3", "clean", skill="no evidence", trust=0.0, task="put a clean pan in drawer."),
@@ -202,7 +203,8 @@ def test_the_bank_teaches_a_task_without_a_trusted_skill_its_types_best_skill_ma
     assert (t1.bank_skill, t1.trust, t1.teacher_skill()) == (None, 0.7, "its own")
     assert t2.bank_skill == "clean the mug at the sinkbasin, then put the mug in the shelf." and t2.trust == 0.6
     assert t2.teacher_skill() == t2.bank_skill and t2.skill is None      # the written skill stays as it was
-    assert t3.bank_skill == "clean the pan at the sinkbasin, then put the pan in the drawer." and t3.skill == "no evidence"
+    assert (t3.bank_skill == "clean the pan at the sinkbasin, then put the pan in the drawer."
+            and t3.skill == "no evidence")
     assert (t4.bank_skill, t4.trust) == (None, 0.0)                      # an empty type teaches nothing
     m = step_log.trust_metrics(recs, None, bank=len(run.bank))
     assert m["bank/taught"] == 2.0 and m["bank/trust_mean"] == pytest.approx(0.6) and m["bank/skills"] == 2.0

@@ -57,7 +57,8 @@ def test_skill_probe_runs_every_condition(tmp_path):
     assert set(r["vs_none"]) == {"oracle", "generic", "wrong_place", "other", "bank", "oracle_minus_wrong_place"}
     # stage 0's verdict: right and wrong-type gains as vs_none gives them, and go only past both bars
     p = r["premise"]
-    assert p["right_minus_none"] == r["vs_none"]["generic"]["gain"] and p["wrong_minus_none"] == r["vs_none"]["other"]["gain"]
+    assert (p["right_minus_none"] == r["vs_none"]["generic"]["gain"]
+            and p["wrong_minus_none"] == r["vs_none"]["other"]["gain"])
     assert p["go"] == (100 * p["right_minus_none"] >= 5 and p["right_minus_wrong"] > 2 * p["right_minus_wrong_se"])
     assert p["line"].startswith("premise check: " + ("GO" if p["go"] else "NO-GO"))
     for v in r["vs_none"].values():

@@ -110,7 +110,8 @@ def test_analyzer_empty_episode():
     ('```\n{"skill": "fenced without language"}\n```', "fenced without language"),
     ('Here is my analysis of the episode.\nThe skill is:\n{"skill": "Check the fridge first."} Done.',
      "Check the fridge first."),
-    ('<think>The agent {looped}. I should write {"skill": "draft"}</think>\n{"skill": "Open the fridge before putting."}',
+    ('<think>The agent {looped}. I should write {"skill": "draft"}</think>'
+     '\n{"skill": "Open the fridge before putting."}',
      "Open the fridge before putting."),
     ('the template opened <think>; reasoning here</think>{"skill": "After think."}', "After think."),
     ('{"skill": "Use {object} at {receptacle}; never \\"toggle\\" twice } ok"}',

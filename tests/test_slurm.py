@@ -20,7 +20,8 @@ SBATCH = ROOT / "recipes" / "rsipo.sbatch"
 
 def test_node_lists_expand_as_scontrol_does():
     assert slurm_hosts.hosts("gpu[01-03,07],login-2") == ["gpu01", "gpu02", "gpu03", "gpu07", "login-2"]
-    assert slurm_hosts.hosts("n[8-10]") == ["n8", "n9", "n10"] and slurm_hosts.hosts("n[08-10]") == ["n08", "n09", "n10"]
+    assert (slurm_hosts.hosts("n[8-10]") == ["n8", "n9", "n10"]
+            and slurm_hosts.hosts("n[08-10]") == ["n08", "n09", "n10"])
     assert slurm_hosts.hosts("a,b[1]") == ["a", "b1"]
     for bad in ("", "gpu[3-1]", "gpu[a-b]", "gpu[1-2"):
         with pytest.raises(ValueError, match="SLURM node list"):

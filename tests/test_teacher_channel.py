@@ -1,5 +1,6 @@
 """The teacher channel's diagnostics: --teacher_skill generic (each game's type-level workflow as the teacher's
-skill) and the teacher − student gap on the tool actions of a procedure against the rest (harness.step_log.teacher_gaps)."""
+skill) and the teacher − student gap on the tool actions of a procedure against the rest
+(harness.step_log.teacher_gaps)."""
 import copy
 import dataclasses
 import math
@@ -28,7 +29,8 @@ CLEAN = sorted((ROOT / "data/alfworld_clean/json_2.1.1/train").glob("*/*/game.tw
 def test_tool_actions_of_each_type():
     assert tiny.tool_action("go to sinkbasin 1", "clean") and tiny.tool_action("clean mug 1 with sinkbasin 1", "clean")
     assert not tiny.tool_action("go to countertop 1", "clean")
-    assert tiny.tool_action("heat potato 1 with microwave 1", "heat") and not tiny.tool_action("go to sinkbasin 1", "heat")
+    assert (tiny.tool_action("heat potato 1 with microwave 1", "heat")
+            and not tiny.tool_action("go to sinkbasin 1", "heat"))
     assert not tiny.tool_action("go to sinkbasin 1", "pick")   # pick has no tool
 
 
@@ -122,7 +124,8 @@ def test_score_asks_the_chosen_weights_for_the_teacher(tmp_path, weights):
     try:
         T.build_policy(run)
         T.begin(run)
-        assert (run.ref is not None) == (weights == "frozen") and (run.teacher is not None) == (weights in ("ema", "refresh"))
+        assert ((run.ref is not None) == (weights == "frozen")
+                and (run.teacher is not None) == (weights in ("ema", "refresh")))
         with torch.no_grad():
             for i, m in enumerate(x for x in (run.ref, run.teacher) if x is not None):
                 for p in m.parameters():
@@ -180,14 +183,16 @@ def test_support_of_pads_the_teachers_side_and_leaves_rows_without_one_finite():
     args = T.UpdateConfig.from_args(T.Args(teacher_loss="topk"))
     full, got_ids, got_lp, got_tail = T.support_of([with_teacher, without], logp_all, args)
     assert full is logp_all and got_ids.shape == (2, 3, 2)
-    assert torch.equal(got_ids[0, :2], ids.long()) and torch.equal(got_lp[0, :2], lp) and torch.equal(got_tail[0, :2], tail)
+    assert (torch.equal(got_ids[0, :2], ids.long()) and torch.equal(got_lp[0, :2], lp)
+            and torch.equal(got_tail[0, :2], tail))
     x = rsipo.teacher_inputs(logp_all[..., 0], torch.tensor([True, False]), None, full, got_ids, got_lp, got_tail)
     assert torch.equal(x["student_support"][0, 0], logp_all[0, 0, [5, 0]])
     assert x["support_valid"][0, 1].tolist() == [True, False]
     assert torch.equal(x["teacher_support"][1], x["student_support"][1].detach())   # no teacher: its own (KL 0)
     vocab = T.Sample([1], [2, 3], 0.0, torch.zeros(2), teacher=torch.zeros(2),
                      support=rollout.Support(None, torch.log_softmax(torch.zeros(2, 6), -1), None))
-    _, no_ids, v_lp, no_tail = T.support_of([vocab], logp_all[:1], T.UpdateConfig.from_args(T.Args(teacher_loss="full")))
+    _, no_ids, v_lp, no_tail = T.support_of([vocab], logp_all[:1],
+                                            T.UpdateConfig.from_args(T.Args(teacher_loss="full")))
     assert no_ids is None and no_tail is None and torch.allclose(v_lp[0, :2], torch.full((2, 6), -math.log(6)))
 
 
@@ -218,8 +223,9 @@ def test_score_keeps_the_support_of_each_side_with_the_teachers_exact_tail(tmp_p
         pair = rollout.teacher_pair(run.engine, sm.turn, b.records[sm.turn.group_id].skill,
                                     run.pool.task_prefix + b.eps[sm.turn.episode_id].task)
         (_, teacher_all), (_, student_all) = (
-            run.logprobs(m, [p], support="vocab")[0] for m, p in ((run.teacher, pair),
-                                                                  (run.rollout_model, (sm.prompt_ids, sm.response_ids))))
+            run.logprobs(m, [p], support="vocab")[0]
+            for m, p in ((run.teacher, pair),
+                         (run.rollout_model, (sm.prompt_ids, sm.response_ids))))
         t_all, s_all = teacher_all.lp, student_all.lp                          # [r, V] each
         ids = sm.support.ids.long()
         held = [set(row) - {-1} for row in ids.tolist()]
@@ -280,7 +286,8 @@ def test_a_toy_estimator_registered_in_rsipo_trains_with_no_edit_elsewhere(tmp_p
 
 
 def test_bad_teacher_options_are_refused_naming_the_flag(tmp_path):
-    for argv, flag in ((["--teacher_loss", "kl"], "--teacher_loss"), (["--teacher_weights", "old"], "--teacher_weights"),
+    for argv, flag in ((["--teacher_loss", "kl"], "--teacher_loss"),
+                       (["--teacher_weights", "old"], "--teacher_weights"),
                        (["--teacher_ema", "1"], "--teacher_ema"), (["--teacher_topk", "0"], "--teacher_topk"),
                        (["--algo", "grpo", "--distill_only", "true"], "--distill_only"),
                        (["--algo", "rsipo", "--teacher_skill", "wrong"], "--teacher_skill")):
@@ -302,7 +309,8 @@ def test_the_wrong_procedure_skill_swaps_only_the_tool_and_verb():
     right, wrong = tiny.generic_skill_of_game(str(CLEAN)), tiny.wrong_skill_of_game(str(CLEAN))
     assert "go to the sinkbasin and clean the" in right and "go to the fridge and cool the" in wrong
     assert right.replace("sinkbasin and clean", "fridge and cool") == wrong
-    pick = next(g for g in sorted((ROOT / "data/alfworld/json_2.1.1/train").glob("pick_and_place_simple*/*/game.tw-pddl")))
+    pick = next(g for g in sorted((ROOT / "data/alfworld/json_2.1.1/train")
+                                  .glob("pick_and_place_simple*/*/game.tw-pddl")))
     assert tiny.wrong_skill_of_game(str(pick)) is None and tiny.generic_skill_of_game(str(pick))
 
 

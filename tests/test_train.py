@@ -88,7 +88,8 @@ def test_sft_jsonl_loader(tmp_path):
 def test_sft_parquet_loader_reads_messages_or_prompt_and_response_columns(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
-    chats = [[{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    chats = [[{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+              {"role": "assistant", "content": "a"}]]
     pq.write_table(pa.table({"messages": chats, "source": ["x"]}), tmp_path / "m.parquet")
     assert harness_sft.load_sft_jsonl(str(tmp_path / "m.parquet")) == [("q", "a")]
     assert "1 samples from the parquet column(s) messages" in capsys.readouterr().out
@@ -149,7 +150,8 @@ def _skill_writing_sft(path: Path) -> Path:
 def test_rsipo_run_end_to_end_single_process(tmp_path):
     # a warm start that writes parseable skills, and every task writes one (the 2-step warm start wins nothing):
     # so skills are replayed, trusted and checked afresh, and the assertions below have something to check
-    T.main(TINY + ["--algo", "rsipo", "--steps", "1", "--calibrate", "1", "--out_dir", str(tmp_path), "--run_name", "rs",
+    T.main(TINY + ["--algo", "rsipo", "--steps", "1", "--calibrate", "1",
+                   "--out_dir", str(tmp_path), "--run_name", "rs",
                    "--sft_data", str(_skill_writing_sft(tmp_path / "skills.jsonl")), "--sft_steps", "250",
                    "--skill_groups", "all", "--skill_rule", "false"])
     run = tmp_path / "rs"
@@ -209,7 +211,8 @@ def test_calibrate_replays_each_scored_skill_afresh(tmp_path, monkeypatch):
                                                                                         (5, g[2], 0.2, 0.1)]
     win = [e.reward / run.args.r_win for e in eps]
     for j, r in enumerate(rows):   # mean with the skill − mean of the fresh control, per task
-        assert r["fresh_gain"] == pytest.approx((win[2 * j] + win[2 * j + 1]) / 2 - (win[4 + 2 * j] + win[5 + 2 * j]) / 2)
+        assert r["fresh_gain"] == pytest.approx((win[2 * j] + win[2 * j + 1]) / 2
+                                                - (win[4 + 2 * j] + win[5 + 2 * j]) / 2)
     assert calib["calib/tasks"] == 2 and calib["calib/env_steps"] == sum(len(e.steps) for e in eps)
 
 
@@ -218,7 +221,8 @@ def test_sigterm_before_the_update_abandons_the_step_and_the_resumed_run_redoes_
     with is restored (RNGs, bank, running means) and written as the checkpoint of step 1 (none was due: save
     every 10), the run exits with 143; the same command then resumes and matches a run never interrupted."""
     import signal
-    flags = TINY + ["--algo", "rsipo", "--steps", "3", "--save_every", "10", "--eval", "false", "--out_dir", str(tmp_path)]
+    flags = TINY + ["--algo", "rsipo", "--steps", "3", "--save_every", "10",
+                    "--eval", "false", "--out_dir", str(tmp_path)]
     handler = signal.getsignal(signal.SIGTERM)
     full = T.main(flags + ["--run_name", "full"])
     real, calls = T.write_skills, {"n": 0}
@@ -240,7 +244,8 @@ def test_sigterm_before_the_update_abandons_the_step_and_the_resumed_run_redoes_
 
     def steps(run):
         rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows if "train/success" in r]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))}
+                for r in rows if "train/success" in r]
 
     assert [r["step"] for r in steps("cut")] == [1, 2, 3]
     assert steps("full") == steps("cut")
@@ -444,8 +449,9 @@ def test_master_weights_are_fp32_even_where_bf16_compute_is_used(tmp_path, monke
     # ~2% of them per step. Now every path loads fp32 master weights; bf16 is FSDP2's compute dtype.
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tok = tiny.train_tiny_tokenizer(["go to desk 1"])
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=2)).to(torch.bfloat16).save_pretrained(tmp_path)
+    (Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2))
+     .to(torch.bfloat16).save_pretrained(tmp_path))
     tok.save_pretrained(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = T.Args(model=str(tmp_path), dtype="auto")
@@ -537,8 +543,10 @@ def test_algo_gigpo_is_grpo_with_the_step_advantage():
 
 
 def test_gigpo_run_end_to_end_single_process(tmp_path):
-    T.main(TINY + ["--algo", "gigpo", "--steps", "1", "--eval", "false", "--out_dir", str(tmp_path), "--run_name", "gi"])
-    row = [json.loads(l) for l in (tmp_path / "gi" / "metrics.jsonl").read_text().splitlines() if "train/success" in l][0]
+    T.main(TINY + ["--algo", "gigpo", "--steps", "1", "--eval", "false",
+                   "--out_dir", str(tmp_path), "--run_name", "gi"])
+    row = [json.loads(l) for l in (tmp_path / "gi" / "metrics.jsonl").read_text().splitlines()
+           if "train/success" in l][0]
     # N = 2 copies of each task start from the same observation: their first turns share an anchor state
     assert 0 < row["gigpo/anchored_frac"] <= 1 and "skill/valid_frac" not in row
     assert torch.isfinite(torch.tensor(row["loss"]))
@@ -547,7 +555,8 @@ def test_gigpo_run_end_to_end_single_process(tmp_path):
 def test_path_flags_expand_home_and_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("RSIPO_TEST_DATA", "/data/x")
-    a = T.parse_args(["--data_root", "~/.cache/alfworld", "--out_dir", "$RSIPO_TEST_DATA/runs", "--sft_walkthroughs", "",
+    a = T.parse_args(["--data_root", "~/.cache/alfworld", "--out_dir", "$RSIPO_TEST_DATA/runs",
+                      "--sft_walkthroughs", "",
                       "--sft_rl_games", "true"])   # the default run clones no RL game: it would have nothing
     assert a.data_root == str(tmp_path / ".cache/alfworld") and a.out_dir == "/data/x/runs"
     assert a.run_name == "default"                                   # not a path: left as given
@@ -581,7 +590,8 @@ def test_a_step_that_updates_nothing_says_why(tmp_path, capsys):
     row = [json.loads(x) for x in (tmp_path / "idle" / "metrics.jsonl").read_text().splitlines()][-1]
     assert row["train/invalid_frac"] == 1.0 and row["update/idle"] == 1 and row["train/turns_updated"] == 0
     assert json.loads((tmp_path / "idle" / "summary.json").read_text())["update/idle_steps"] == 1
-    assert "1 of 1 RL steps updated nothing: step 1: every turn was invalid" in (tmp_path / "idle" / "report.html").read_text()
+    assert ("1 of 1 RL steps updated nothing: step 1: every turn was invalid"
+            in (tmp_path / "idle" / "report.html").read_text())
 
 
 def test_a_warm_start_alone_writes_its_weights_once(tmp_path):

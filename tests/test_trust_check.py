@@ -23,10 +23,12 @@ def test_pooled_over_runs_and_per_run(tmp_path, capsys):
                               {"step": 2, "task_id": "g1", "trust_eb": 0.5, "trust_raw": 1.0, "fresh_gain": -0.5}])
     assert TC.main([a, b, "--out", str(tmp_path / "out")]) == 0
     res = json.loads((tmp_path / "out" / "trust_check.json").read_text())
-    # pooled: y = 1, 0, 1/2, 0 -> eb Brier (0.01 + 0.49 + 0.09 + 0.25) / 4 = 0.21, raw (0.16 + 0.64 + 0.04 + 1) / 4 = 0.46
+    # pooled: y = 1, 0, 1/2, 0 -> eb Brier (0.01 + 0.49 + 0.09 + 0.25) / 4 = 0.21,
+    # raw (0.16 + 0.64 + 0.04 + 1) / 4 = 0.46
     assert res["pooled"]["eb"]["brier"] == pytest.approx(0.21) and res["pooled"]["raw"]["brier"] == pytest.approx(0.46)
     # run a alone: eb (0.01 + 0.49) / 2 = 0.25; run b alone: raw (0.04 + 1.0) / 2 = 0.52
-    assert res["runs"][a]["eb"]["brier"] == pytest.approx(0.25) and res["runs"][b]["raw"]["brier"] == pytest.approx(0.52)
+    assert (res["runs"][a]["eb"]["brier"] == pytest.approx(0.25)
+            and res["runs"][b]["raw"]["brier"] == pytest.approx(0.52))
     assert (tmp_path / "out" / "trust_check.png").stat().st_size > 0
     assert "Brier 0.2100" in capsys.readouterr().out
 

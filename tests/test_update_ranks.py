@@ -29,7 +29,8 @@ def _samples() -> list:
     out = []
     for k in range(16):
         p, r = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
-        out.append(T.Sample(torch.randint(1, 50, (p,), generator=g).tolist(), torch.randint(1, 50, (r,), generator=g).tolist(),
+        out.append(T.Sample(torch.randint(1, 50, (p,), generator=g).tolist(),
+                            torch.randint(1, 50, (r,), generator=g).tolist(),
                             float(torch.randn(1, generator=g)), -torch.rand(r, generator=g) * 3,
                             skill=k % 5 == 4))
     return out

@@ -1,5 +1,6 @@
 """Where the recipes claim verl / verl-agent's numbers, the same numbers, each derived by hand (METHOD.md, "Where
-we differ from verl and verl-agent"): the dual clip, the policy ratio's log held to ±20, the clamped k3 KL, mean_norm, GiGPO's step score (the
+we differ from verl and verl-agent"): the dual clip, the policy ratio's log held to ±20, the clamped k3 KL,
+mean_norm, GiGPO's step score (the
 penalty after the discounted return, a dropped turn keeping its place), env-error episodes out of the group
 statistics, and the trainer's log-probs at the sampling temperature."""
 import json

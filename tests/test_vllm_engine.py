@@ -127,7 +127,8 @@ class FakeLLM:
         # UniProcExecutor.collective_rpc → run_method(driver_worker, method, args, kwargs): a method name or
         # a function of the worker (wrapper), called in this process; one worker, so a list of one result
         w = self.llm_engine.model_executor.driver_worker
-        self.log.append(("collective_rpc", method if isinstance(method, str) else method.__name__, sorted(kwargs or {})))
+        self.log.append(("collective_rpc", method if isinstance(method, str) else method.__name__,
+                         sorted(kwargs or {})))
         fn = getattr(w, method) if isinstance(method, str) else functools.partial(method, w)
         return [fn(*args, **(kwargs or {}))]
 
@@ -493,7 +494,8 @@ def test_micro_batches_by_count_and_by_token_budget():
 def test_score_tokens_by_token_budget_keeps_sample_order(tok):
     torch.manual_seed(0)
     m = tiny.tiny_model(len(tok), T.Args(tiny_hidden=32)).eval()
-    S = [(ids_of(tok, "go to desk 1"), ids_of(tok, "take apple")), (ids_of(tok, "go"), ids_of(tok, "desk 1 take apple 1")),
+    S = [(ids_of(tok, "go to desk 1"), ids_of(tok, "take apple")),
+         (ids_of(tok, "go"), ids_of(tok, "desk 1 take apple 1")),
          (ids_of(tok, "go to desk 1 take apple go to"), ids_of(tok, "go"))]
     a = R.score_tokens(m, S, tok.pad_token_id, "cpu", 32)
     b = R.score_tokens(m, S, tok.pad_token_id, "cpu", 1, micro_tokens=8)   # sorted by length, 3 forwards
