@@ -432,7 +432,7 @@ def teacher_token_gaps(model, tok, engine, pool, eps_none: list, conds: dict) ->
     ls = rollout.score_tokens(model, student, tok.pad_token_id, "cpu", 32)
     gaps = {}
     for name in ("oracle", "generic"):
-        teacher = [rollout.teacher_pair(engine, tr, conds[name][e.task_id], pool.task_prefix + e.task)
+        teacher = [rollout.teacher_pair(engine, tr, conds[name][e.task_id], rollout.task_line(pool, e.task))
                    for e, tr in turns]
         lt = rollout.score_tokens(model, teacher, tok.pad_token_id, "cpu", 32)
         gaps[name] = token_gaps([t - s for t, s in zip(lt, ls)], [tr for _, tr in turns], tok)
