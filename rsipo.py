@@ -500,7 +500,8 @@ def support_kl(
     LOGP_FLOOR; positions outside the mask contribute neither value nor gradient (padded rows may hold anything).
     Either side's values with a logsumexp above 0 are refused (logits passed for log-probs).
     Gradient per student logit z_j: λ·π_θ(j)·(log q_θ(c) − log q_T(c) − KL_S)/n, c the outcome j falls in.
-    Metrics: opsd/loss, opsd/kl (the token mean of KL_S without λ), opsd/tail_mass (the student's, tail only).
+    Metrics: opsd/loss, opsd/kl (the token mean of KL_S without λ), opsd/tail_mass (the student's mass outside
+    S on the rows with λ > 0; tail only).
     """
     lam = _per_token(trust.detach(), student_logp[..., 0])  # [B,1] or [B,L]
     m = mask.bool().unsqueeze(-1)  # [B,L,1]
@@ -519,8 +520,8 @@ def support_kl(
     with torch.no_grad():
         metrics = {"opsd/loss": float(loss.detach()), "opsd/kl": _local_mean(kl, mask),
                    "opsd/trust_mean": _trust_mean(trust)}
-        if teacher_tail is not None:
-            metrics["opsd/tail_mass"] = _local_mean(s_tail.exp(), mask)
+        if teacher_tail is not None:      # over the positions of rows with a teacher (λ > 0): the others' is filler
+            metrics["opsd/tail_mass"] = _local_mean(s_tail.exp(), mask.bool() & (lam > 0).expand_as(mask))
     return loss, metrics
 
 
