@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 
 import rsipo
+from harness.config import RESUME_MAY_CHANGE
 from infra import distributed as D
 from infra.distributed import aligned_micro_batches, print0
 from infra.io import jsonl_lines

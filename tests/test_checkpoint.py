@@ -173,7 +173,7 @@ def test_loaded_weights_must_match_the_checksum_saved_with_them(tmp_path, capsys
     got = D.load_checkpoint(tmp_path, model2, opt2)
     assert got["step"] == 1 and _equal(_params(model2), saved[1])
     out = capsys.readouterr().out
-    assert "step_000002: does not load: rank 0: ValueError: the loaded weights give the checksum" in out, out
+    assert "step_000002: does not load: the loaded weights give the checksum" in out, out
 
 
 def test_no_checkpoint_loads_nothing_and_old_runs_checkpoints_are_cleared(tmp_path):

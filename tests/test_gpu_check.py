@@ -24,8 +24,12 @@ def test_gpu_check_runs_train_py_end_to_end_on_cpu(tmp_path):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["pass"] and all(res["checks"].values()) and len(res["checks"]) == 10
-    assert res["checks"]["teacher_term_every_step"] and res["train_args"][:6] == gpu_check.TEACHER
-    assert all(s["opsd/kl"] >= 0 for s in res["steps"])
+    assert res["train_args"][:6] == gpu_check.TEACHER and "teacher_term_when_taught" in res["checks"]
+    # the 2-step warm start of a random model writes no valid skill, so no turn has a teacher on CPU (the GPU run's
+    # 20 SFT steps do); the EMA teacher's own weights are in the checkpoint run B resumed from
+    import torch.distributed.checkpoint as dcp
+    ckpt = sorted((tmp_path / "w" / "runs" / "check_tiny_hf" / "ckpt").glob("step_*"))[-1]
+    assert any(k.startswith("teacher.") for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
     assert [s["step"] for s in res["steps"]] == [1, 2]
     log_b = (tmp_path / "w" / "run_b.log").read_text()
     assert "resumed from" in log_b and "at step 1 (weights match the checksum saved with them)" in log_b

@@ -208,22 +208,30 @@ def test_score_tokens_keeps_no_graph():
     assert not any(o.requires_grad for o in out) and all(o.grad_fn is None for o in out)
 
 
-def test_score_tokens_support_gives_the_same_logprobs_and_the_teachers_top_k_or_whole_distribution():
-    # support 0 scores without the [B, R, V] log-softmax; K > 0 adds the K most likely ids and their log-probs, K < 0
-    # the whole log-softmax: the sampled tokens' log-probs are the same in all three, and the support is consistent
+def test_score_tokens_keeps_the_top_ids_a_support_or_the_whole_distribution_with_the_same_logprobs():
+    # plain scoring has no [B, R, V] log-softmax; `top` adds the K most likely ids; `support` "vocab" the whole
+    # log-softmax, a function of (sample, log-softmax) its ids with their log-probs and the exact tail: the sampled
+    # tokens' log-probs are the same in all, and each kept part agrees with the whole distribution
     torch.manual_seed(0)
     model = tiny_preset.tiny_model(50, T.Args(tiny_hidden=32))
     pairs = [([1, 2, 3], [4, 5]), ([1], [6, 7, 8])]
-    plain = R.score_tokens(model, pairs, pad_id=0, device="cpu", micro_batch=2, temperature=0.7)
-    top = R.score_tokens(model, pairs, pad_id=0, device="cpu", micro_batch=2, support=3, temperature=0.7)
-    full = R.score_tokens(model, pairs, pad_id=0, device="cpu", micro_batch=2, support=-1, temperature=0.7)
-    for (_, r), lp, (lp_k, ids, top_lp), (lp_f, none, all_lp) in zip(pairs, plain, top, full):
-        assert torch.allclose(lp, lp_k, atol=1e-6) and torch.allclose(lp, lp_f, atol=1e-6) and none is None
-        assert ids.shape == top_lp.shape == (len(r), 3) and all_lp.shape == (len(r), 50)
+    kw = dict(pad_id=0, device="cpu", micro_batch=2, temperature=0.7)
+    plain = R.score_tokens(model, pairs, **kw)
+    top = R.score_tokens(model, pairs, top=3, **kw)
+    full = R.score_tokens(model, pairs, support="vocab", **kw)
+    seen = []
+    picked = R.score_tokens(model, pairs, support=lambda i, row: seen.append(i) or row.topk(4, dim=-1).indices, **kw)
+    assert sorted(seen) == [0, 1]
+    for (_, r), lp, (lp_k, ids), (lp_f, whole), (lp_s, kept) in zip(pairs, plain, top, full, picked):
+        all_lp = whole.lp
+        assert all(torch.allclose(lp, x, atol=1e-6) for x in (lp_k, lp_f, lp_s)) and whole.ids is None
+        assert ids.shape == (len(r), 3) and all_lp.shape == (len(r), 50) and whole.tail is None
         assert torch.allclose(all_lp.exp().sum(-1), torch.ones(len(r)), atol=1e-5)
         assert torch.allclose(all_lp.gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1), lp, atol=1e-6)
         assert torch.equal(all_lp.topk(3, dim=-1).indices.int(), ids)
-        assert torch.allclose(all_lp.topk(3, dim=-1).values, top_lp, atol=1e-6)
+        assert torch.equal(kept.ids, all_lp.topk(4, dim=-1).indices.int())
+        assert torch.allclose(kept.lp, all_lp.topk(4, dim=-1).values, atol=1e-6)
+        assert torch.allclose(kept.tail.exp() + kept.lp.exp().sum(-1), torch.ones(len(r)), atol=1e-5)
 
 
 def test_tokenizer_without_chat_template_or_pad_token(tmp_path):

@@ -70,9 +70,12 @@ def test_resume_refuses_a_checkpoint_of_another_algo(tmp_path):
     ck.mkdir(parents=True)
     (ck / "args.json").write_text(json.dumps(dataclasses.asdict(T.Args(algo="grpo"))))
     (ck / "COMPLETE").write_text("{}")
-    with pytest.raises(SystemExit, match=r"--algo grpo but this run has --algo rsipo"):
+    with pytest.raises(SystemExit, match=r"step_000003 was written with other flags than this run's: --algo grpo "
+                                         r"\(now rsipo\)"):
         T.main(["--algo", "rsipo", "--out_dir", str(tmp_path), "--run_name", "r"])
-    D.check_resume(tmp_path / "r", T.Args(algo="grpo", steps=99))   # same core flags: accepted
+    D.check_resume(tmp_path / "r", T.Args(algo="grpo", steps=99), may_change=("steps",))   # a longer run: accepted
+    with pytest.raises(SystemExit, match=r"--steps 12 \(now 99\)"):
+        D.check_resume(tmp_path / "r", T.Args(algo="grpo", steps=99))              # unless --steps may not change
 
 
 def test_sft_jsonl_loader(tmp_path):

@@ -109,9 +109,11 @@ def test_two_unequal_ranks_update_as_one_rank_with_every_sample(tmp_path):
     # 16 samples in mini-batches of 4: 4 optimizer steps on either world size (cut per rank it was 6: 12 / 2)
     assert steps == two["steps"] == 4 == metrics["update/mini_batches"] == two["metrics"]["update/mini_batches"]
     assert metrics["update/samples"] == two["metrics"]["update/samples"] == 16
-    for k, v in state.items():
-        assert torch.allclose(v, two["rl"][k], atol=1e-5, rtol=0), k
-    assert any(not torch.equal(v, _model().state_dict()[k]) for k, v in state.items())   # it did train
+    start = _model().state_dict()
+    for k, v in state.items():            # the same update: the two differ by float rounding only, which AdamW
+        step = float((v - start[k]).abs().max())   # scales up where a gradient is tiny (0.05% of the step here),
+        assert float((v - two["rl"][k]).abs().max()) <= 1e-3 * step + 1e-7, k   # where another update differs by ~100%
+    assert any(not torch.equal(v, start[k]) for k, v in state.items())   # it did train
     sft_state, sft = _sft_step(_sft_pairs())
     assert sft == pytest.approx(two["sft_loss"], rel=1e-5)                 # the token mean over all 8 samples
     for k, v in sft_state.items():
