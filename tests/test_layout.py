@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONCEPT = ["envs", "rollout", "rsipo", "shrinkage", "skills", "train"]
 FOLDERS = ["infra", "harness"]
-DOCS = ["README.md", "METHOD.md", "RESULTS.md", "recipes/README.md"]
+DOCS = ["README.md", "METHOD.md", "RESULTS.md", "results/archive.md", "recipes/README.md"]
 
 
 def _project_imports(path: Path) -> set[str]:
