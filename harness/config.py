@@ -224,9 +224,9 @@ class Args:
                             "than --teacher_low)")
     teacher_topk: int = arg(32, "[ours] K of --teacher_loss topk: the most likely tokens kept per position (8 bytes "
                             "each a response token, an int32 id and an fp32 log-prob; 2K under union)")
-    teacher_support: str = arg("teacher", "[ours] --teacher_loss topk: whose top-K is the support, student (π_old's, "
-                               "as SDPO and TRL) | teacher (as NeMo-RL) | union (both, as verl's distillation); the "
-                               "teacher's mass outside it is exact (METHOD.md §2.8.1)")
+    teacher_support: str = arg("union", "[ours] --teacher_loss topk: whose top-K is the support, union (both, as "
+                               "verl's distillation; measured best, METHOD.md §5.9) | student (π_old's, as SDPO and "
+                               "TRL) | teacher (as NeMo-RL); the teacher's mass outside it is exact (§2.8.1)")
     teacher_norm: str = arg("all", "[ours] what the teacher term's token mean divides by: all (every student token of "
                             "the mini-batch, as SDAR) | taught (the tokens of the turns with a teacher, as SDPO: with "
                             "half the turns taught, α weighs twice as much)")

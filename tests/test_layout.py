@@ -202,7 +202,7 @@ def current_chains() -> list[list[str]]:
     text = (ROOT / "RESULTS.md").read_text()
     block = text.split("## Current results", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     cmds = []
-    for line in block.replace("\\\n", " ").splitlines():
+    for line in block.replace("\\\n", "").splitlines():
         line = line.split(" #", 1)[0].strip()
         if not line or line.startswith("#"):
             continue
