@@ -149,6 +149,16 @@ def paired(base: list[dict], other: list[dict]) -> tuple[list[float], float, flo
     return d, statistics.mean(d) if d else float("nan"), se
 
 
+def paired_over_games(base: dict, other: dict) -> tuple[float, float, int]:
+    """One seed: held-out success after RL, `other` − `base`, game by game (the same games, the same evaluation
+    seed): the mean difference, its standard error over games, and the number of games (0 if none in common)."""
+    a, b = base.get("eval/by_game") or {}, other.get("eval/by_game") or {}
+    d = [b[g] - a[g] for g in a if g in b]
+    if len(d) < 2:
+        return float("nan"), float("nan"), 0
+    return statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d)
+
+
 def paired_lines(res: dict, seeds: list[int]) -> list[str]:
     """One line per algorithm against the first one (grpo by default): the paired difference per seed; and
     where the runs evaluated along the way (--eval_every), the env steps each needs to reach the first's final
@@ -157,7 +167,12 @@ def paired_lines(res: dict, seeds: list[int]) -> list[str]:
     out = []
     for algo in others:
         d, mean, se = paired(res[base], res[algo])
-        if d:
+        if len(d) == 1 and paired_over_games(res[base][0], res[algo][0])[2]:   # one seed: pair over the games
+            mean, se, n = paired_over_games(res[base][0], res[algo][0])
+            out.append(f"\n{algo} − {base}, held-out success after RL, seed {seeds[0]}, paired over its {n} games: "
+                       f"**{100 * mean:+.1f} ± {100 * se:.1f}** points (1 s.e. over games; {mean / se if se else 0:.1f} "
+                       "s.e.)")
+        elif d:
             out.append(f"\n{algo} − {base}, held-out success after RL paired by seed ({', '.join(map(str, seeds))}): "
                        f"{', '.join(f'{100 * x:+.1f}' for x in d)} → **{100 * mean:+.1f} ± {100 * se:.1f}** points "
                        f"(1 s.e. over seeds; {mean / se if se else float('nan'):.1f} s.e.)")

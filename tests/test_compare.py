@@ -118,6 +118,24 @@ def test_collect_tabulates_runs_made_apart_side_by_side(tmp_path):
     assert "--collect grpo=" in md and not (tmp_path / "table" / "grpo_s0").exists()   # nothing was run
 
 
+def test_one_seed_pairs_the_runs_over_their_held_out_games(tmp_path):
+    # one seed gives no s.e. over seeds: the two runs are paired game by game (the same games and evaluation seed)
+    games = {"grpo": {"g1": 0.2, "g2": 0.4, "g3": 0.6, "g4": 0.0}, "rsipo": {"g1": 0.4, "g2": 0.4, "g3": 1.0, "g4": 0.2}}
+    for algo, by_game in games.items():
+        run = tmp_path / algo / f"{algo}_s0"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"eval/success_at_start": 0.1, "eval/success": 0.3,
+                                                      "eval/by_game": by_game}))
+        (run / "metrics.jsonl").write_text(json.dumps({"train/env_steps_total": 1000, "train/success": 0.1}))
+    out = tmp_path / "table"
+    C.main(["--seeds", "0", "--out", str(out), "--collect",
+            f"grpo={tmp_path}/grpo/grpo_s,rsipo={tmp_path}/rsipo/rsipo_s"])
+    md = (out / "compare.md").read_text()
+    # differences 0.2, 0, 0.4, 0.2: mean 0.2; stdev √((0 + 0.04 + 0.04 + 0) / 3) = 0.1633, over √4 = 0.0816
+    assert "rsipo − grpo, held-out success after RL, seed 0, paired over its 4 games: **+20.0 ± 8.2** points" in md
+    assert "nan" not in md
+
+
 def test_bad_arguments_are_refused_before_any_run(tmp_path):
     import time
     t0 = time.time()
