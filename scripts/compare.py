@@ -170,8 +170,8 @@ def paired_lines(res: dict, seeds: list[int]) -> list[str]:
         if len(d) == 1 and paired_over_games(res[base][0], res[algo][0])[2]:   # one seed: pair over the games
             mean, se, n = paired_over_games(res[base][0], res[algo][0])
             out.append(f"\n{algo} − {base}, held-out success after RL, seed {seeds[0]}, paired over its {n} games: "
-                       f"**{100 * mean:+.1f} ± {100 * se:.1f}** points (1 s.e. over games; {mean / se if se else 0:.1f} "
-                       "s.e.)")
+                       f"**{100 * mean:+.1f} ± {100 * se:.1f}** points "
+                       f"(1 s.e. over games; {mean / se if se else 0:.1f} s.e.)")
         elif d:
             out.append(f"\n{algo} − {base}, held-out success after RL paired by seed ({', '.join(map(str, seeds))}): "
                        f"{', '.join(f'{100 * x:+.1f}' for x in d)} → **{100 * mean:+.1f} ± {100 * se:.1f}** points "

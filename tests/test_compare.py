@@ -120,7 +120,8 @@ def test_collect_tabulates_runs_made_apart_side_by_side(tmp_path):
 
 def test_one_seed_pairs_the_runs_over_their_held_out_games(tmp_path):
     # one seed gives no s.e. over seeds: the two runs are paired game by game (the same games and evaluation seed)
-    games = {"grpo": {"g1": 0.2, "g2": 0.4, "g3": 0.6, "g4": 0.0}, "rsipo": {"g1": 0.4, "g2": 0.4, "g3": 1.0, "g4": 0.2}}
+    games = {"grpo": {"g1": 0.2, "g2": 0.4, "g3": 0.6, "g4": 0.0},
+             "rsipo": {"g1": 0.4, "g2": 0.4, "g3": 1.0, "g4": 0.2}}
     for algo, by_game in games.items():
         run = tmp_path / algo / f"{algo}_s0"
         run.mkdir(parents=True)
