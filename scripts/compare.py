@@ -149,14 +149,12 @@ def paired(base: list[dict], other: list[dict]) -> tuple[list[float], float, flo
     return d, statistics.mean(d) if d else float("nan"), se
 
 
-def paired_over_games(base: dict, other: dict) -> tuple[float, float, int]:
+def paired_over_games(base: dict, other: dict) -> tuple[float, float, int] | None:
     """One seed: held-out success after RL, `other` − `base`, game by game (the same games, the same evaluation
-    seed): the mean difference, its standard error over games, and the number of games (0 if none in common)."""
+    seed): the mean difference, its standard error over games, and the number of games; None under 2 in common."""
     a, b = base.get("eval/by_game") or {}, other.get("eval/by_game") or {}
     d = [b[g] - a[g] for g in a if g in b]
-    if len(d) < 2:
-        return float("nan"), float("nan"), 0
-    return statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d)
+    return (statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d)) if len(d) > 1 else None
 
 
 def paired_lines(res: dict, seeds: list[int]) -> list[str]:
@@ -167,8 +165,9 @@ def paired_lines(res: dict, seeds: list[int]) -> list[str]:
     out = []
     for algo in others:
         d, mean, se = paired(res[base], res[algo])
-        if len(d) == 1 and paired_over_games(res[base][0], res[algo][0])[2]:   # one seed: pair over the games
-            mean, se, n = paired_over_games(res[base][0], res[algo][0])
+        games = paired_over_games(res[base][0], res[algo][0]) if len(d) == 1 else None   # one seed: over the games
+        if games:
+            mean, se, n = games
             out.append(f"\n{algo} − {base}, held-out success after RL, seed {seeds[0]}, paired over its {n} games: "
                        f"**{100 * mean:+.1f} ± {100 * se:.1f}** points "
                        f"(1 s.e. over games; {mean / se if se else 0:.1f} s.e.)")

@@ -101,14 +101,18 @@ def test_same_metrics_compares_every_value_but_time_and_memory(tmp_path):
     assert SM.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
 
 
+def _finished_run(run: Path, summary: dict):
+    """A finished run's two files, as --collect reads them: its summary and one RL step's row."""
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"eval/success_at_start": 0.1, **summary}))
+    (run / "metrics.jsonl").write_text(json.dumps({"train/env_steps_total": 1000, "train/success": 0.1}))
+
+
 def test_collect_tabulates_runs_made_apart_side_by_side(tmp_path):
     # two configurations run by two invocations, in two folders: --collect pairs them by seed without running
     for folder, algo, ends in (("base", "grpo", (0.2, 0.3)), ("off", "rsipo", (0.25, 0.45))):
         for seed, end in enumerate(ends):
-            run = tmp_path / folder / f"{algo}_s{seed}"
-            run.mkdir(parents=True)
-            (run / "summary.json").write_text(json.dumps({"eval/success_at_start": 0.1, "eval/success": end}))
-            (run / "metrics.jsonl").write_text(json.dumps({"train/env_steps_total": 1000, "train/success": 0.1}))
+            _finished_run(tmp_path / folder / f"{algo}_s{seed}", {"eval/success": end})
     out = tmp_path / "table"
     C.main(["--seeds", "0,1", "--out", str(out), "--collect",
             f"grpo={tmp_path}/base/grpo_s,rsipo_a0={tmp_path}/off/rsipo_s"])
@@ -123,11 +127,7 @@ def test_one_seed_pairs_the_runs_over_their_held_out_games(tmp_path):
     games = {"grpo": {"g1": 0.2, "g2": 0.4, "g3": 0.6, "g4": 0.0},
              "rsipo": {"g1": 0.4, "g2": 0.4, "g3": 1.0, "g4": 0.2}}
     for algo, by_game in games.items():
-        run = tmp_path / algo / f"{algo}_s0"
-        run.mkdir(parents=True)
-        (run / "summary.json").write_text(json.dumps({"eval/success_at_start": 0.1, "eval/success": 0.3,
-                                                      "eval/by_game": by_game}))
-        (run / "metrics.jsonl").write_text(json.dumps({"train/env_steps_total": 1000, "train/success": 0.1}))
+        _finished_run(tmp_path / algo / f"{algo}_s0", {"eval/success": 0.3, "eval/by_game": by_game})
     out = tmp_path / "table"
     C.main(["--seeds", "0", "--out", str(out), "--collect",
             f"grpo={tmp_path}/grpo/grpo_s,rsipo={tmp_path}/rsipo/rsipo_s"])
