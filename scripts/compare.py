@@ -29,7 +29,7 @@ TYPES = ["pick", "look", "clean", "heat", "cool", "pick2"]
 INTERNALS = ["skill/valid_frac", "skill/names_target", "replay/gain_mean", "replay/uninformative", "trust/mean",
              "trust/shrink_mean", "opsd/gate_mean", "opsd/gap_mean", "gigpo/anchored_frac", "train/success",
              "skill/won_sources", "skill/lost_sources", "replay/won_gain", "replay/lost_gain", "trust/won_mean",
-             "trust/lost_mean"]
+             "trust/lost_mean", "time/step"]
 
 
 def warm_start(a, extra: list[str]) -> list[str]:
@@ -149,24 +149,30 @@ def paired(base: list[dict], other: list[dict]) -> tuple[list[float], float, flo
     return d, statistics.mean(d) if d else float("nan"), se
 
 
-def paired_over_games(base: dict, other: dict) -> tuple[float, float, int] | None:
-    """One seed: held-out success after RL, `other` − `base`, game by game (the same games, the same evaluation
-    seed): the mean difference, its standard error over games, and the number of games; None under 2 in common."""
-    a, b = base.get("eval/by_game") or {}, other.get("eval/by_game") or {}
-    d = [b[g] - a[g] for g in a if g in b]
+def paired_over_games(base: list[dict], other: list[dict]) -> tuple[float, float, int] | None:
+    """Held-out success after RL, `other` − `base`, game by game within each seed (the same games, the same
+    evaluation seed), pooled over the seeds: the mean difference, its standard error over the (seed, game) pairs,
+    and their number; None under 2 pairs. It counts the evaluation's noise only, not the spread of training over
+    seeds: with several seeds, the s.e. over seeds is the one to judge by; this one shows how much of it the
+    held-out games alone would give."""
+    d = []
+    for b, o in zip(base, other):
+        a, c = b.get("eval/by_game") or {}, o.get("eval/by_game") or {}
+        d += [c[g] - a[g] for g in a if g in c]
     return (statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d)) if len(d) > 1 else None
 
 
 def paired_lines(res: dict, seeds: list[int]) -> list[str]:
-    """One line per algorithm against the first one (grpo by default): the paired difference per seed; and
-    where the runs evaluated along the way (--eval_every), the env steps each needs to reach the first's final
-    held-out success (mean curves over seeds)."""
+    """One line per algorithm against the first one (grpo by default): the paired difference per seed (and over
+    the (seed, game) pairs, where the runs logged their games), a step's wall time against the first's; and where
+    the runs evaluated along the way (--eval_every), the env steps each needs to reach the first's final held-out
+    success (mean curves over seeds)."""
     base, *others = list(res)
     out = []
     for algo in others:
         d, mean, se = paired(res[base], res[algo])
-        games = paired_over_games(res[base][0], res[algo][0]) if len(d) == 1 else None   # one seed: over the games
-        if games:
+        games = paired_over_games(res[base], res[algo])
+        if games and len(d) == 1:         # one seed: no s.e. over seeds, the pairs are its games
             mean, se, n = games
             out.append(f"\n{algo} − {base}, held-out success after RL, seed {seeds[0]}, paired over its {n} games: "
                        f"**{100 * mean:+.1f} ± {100 * se:.1f}** points "
@@ -174,7 +180,14 @@ def paired_lines(res: dict, seeds: list[int]) -> list[str]:
         elif d:
             out.append(f"\n{algo} − {base}, held-out success after RL paired by seed ({', '.join(map(str, seeds))}): "
                        f"{', '.join(f'{100 * x:+.1f}' for x in d)} → **{100 * mean:+.1f} ± {100 * se:.1f}** points "
-                       f"(1 s.e. over seeds; {mean / se if se else float('nan'):.1f} s.e.)")
+                       f"(1 s.e. over seeds; {mean / se if se else float('nan'):.1f} s.e.)"
+                       + (f"; over its {games[2]} (seed, game) pairs {100 * games[0]:+.1f} ± {100 * games[1]:.1f} "
+                          f"({games[0] / games[1] if games[1] else 0:.1f} s.e.)" if games else ""))
+        ratio = [o["internals"]["time/step"] / b["internals"]["time/step"] for b, o in zip(res[base], res[algo])
+                 if "time/step" in b.get("internals", {}) and "time/step" in o.get("internals", {})]
+        if ratio:                         # the cost: a step's wall time against the base's, seed by seed
+            out.append(f"\n{algo}'s step time (mean `time/step`) over {base}'s: "
+                       f"{', '.join(f'{r:.2f}' for r in ratio)} → mean {statistics.mean(ratio):.2f}×")
     ref = mean_curve(res[base])
     if len(ref) > 2:                      # evaluations between the start and the end
         target = ref[-1][1]

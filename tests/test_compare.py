@@ -101,11 +101,14 @@ def test_same_metrics_compares_every_value_but_time_and_memory(tmp_path):
     assert SM.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
 
 
-def _finished_run(run: Path, summary: dict):
-    """A finished run's two files, as --collect reads them: its summary and one RL step's row."""
+def _finished_run(run: Path, summary: dict, step_times=()):
+    """A finished run's two files, as --collect reads them: its summary and one RL step's row (or one per
+    `step_times`, each with its `time/step`)."""
     run.mkdir(parents=True)
     (run / "summary.json").write_text(json.dumps({"eval/success_at_start": 0.1, **summary}))
-    (run / "metrics.jsonl").write_text(json.dumps({"train/env_steps_total": 1000, "train/success": 0.1}))
+    rows = [{"train/env_steps_total": 1000 * (k + 1), "train/success": 0.1, "time/step": t}
+            for k, t in enumerate(step_times)] or [{"train/env_steps_total": 1000, "train/success": 0.1}]
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
 
 
 def test_collect_tabulates_runs_made_apart_side_by_side(tmp_path):
@@ -135,6 +138,27 @@ def test_one_seed_pairs_the_runs_over_their_held_out_games(tmp_path):
     # differences 0.2, 0, 0.4, 0.2: mean 0.2; stdev √((0 + 0.04 + 0.04 + 0) / 3) = 0.1633, over √4 = 0.0816
     assert "rsipo − grpo, held-out success after RL, seed 0, paired over its 4 games: **+20.0 ± 8.2** points" in md
     assert "nan" not in md
+
+
+def test_several_seeds_also_pair_over_seed_game_pairs_and_time_a_step(tmp_path):
+    # 2 seeds × 3 games; ends are the games' means. seed 0: grpo (0, 1, 0), rsipo (1, 1, 0); seed 1: grpo (0, 0, 0),
+    # rsipo (1, 1, 0). Step times: grpo 10 and 20 s (mean 15), then 10; rsipo 21, then 15
+    runs = {("grpo", 0): ((0, 1, 0), (10, 20)), ("grpo", 1): ((0, 0, 0), (10,)),
+            ("rsipo", 0): ((1, 1, 0), (21,)), ("rsipo", 1): ((1, 1, 0), (15,))}
+    for (algo, seed), (wins, times) in runs.items():
+        _finished_run(tmp_path / algo / f"{algo}_s{seed}", {"eval/success": sum(wins) / 3,
+                      "eval/by_game": {f"g{i}": w for i, w in enumerate(wins)}}, times)
+    out = tmp_path / "table"
+    C.main(["--seeds", "0,1", "--out", str(out), "--collect",
+            f"grpo={tmp_path}/grpo/grpo_s,rsipo={tmp_path}/rsipo/rsipo_s"])
+    md = (out / "compare.md").read_text()
+    # by seed: +33.3 and +66.7 → +50.0, s.e. stdev(33.3, 66.7)/√2 = 23.57/1.414 = 16.7 (3.0 s.e.)
+    assert "paired by seed (0, 1): +33.3, +66.7 → **+50.0 ± 16.7** points (1 s.e. over seeds; 3.0 s.e.)" in md
+    # the 6 (seed, game) differences 1, 0, 0, 1, 1, 0: mean 0.5, stdev √(6 · 0.25 / 5) = 0.5477, over √6 = 0.2236
+    assert "; over its 6 (seed, game) pairs +50.0 ± 22.4 (2.2 s.e.)" in md
+    # step time: 21 / 15 = 1.40, 15 / 10 = 1.50 → 1.45
+    assert "rsipo's step time (mean `time/step`) over grpo's: 1.40, 1.50 → mean 1.45×" in md
+    assert C.paired_over_games([{"eval/by_game": {"g0": 1}}], [{"eval/by_game": {"g0": 0}}]) is None   # one pair
 
 
 def test_bad_arguments_are_refused_before_any_run(tmp_path):
