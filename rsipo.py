@@ -394,8 +394,8 @@ def opsd_loss(
     beta: float = 5.0,
     n_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict]:
-    """Eq. (11): L_OPSD = TokenMean[λ_q · σ(β·sg(ℓ^T − ℓ)) · (ℓ^T − ℓ)], ℓ^T detached and raised to LOGP_FLOOR
-    (a −inf teacher entry would make the gate 0 and its product with −inf NaN).
+    """Eq. (11): L_OPSD = TokenMean[λ_q · σ(β·sg(ℓ^T − ℓ)) · (ℓ^T − ℓ)], ℓ^T detached
+    and raised to LOGP_FLOOR (a −inf teacher entry would make the gate 0 and its product with −inf NaN).
 
     logp (student, with grad), teacher_logp, mask: [B,L]; trust λ: [B] (or [B,L]).
     ∂L/∂ℓ_t = −λ·gate_t/n ≤ 0 for λ ≥ 0: gradient descent raises every sampled token's log-prob,
@@ -486,8 +486,9 @@ def support_kl(
     valid: Tensor | None = None,
     n_tokens: float | Tensor | None = None,
 ) -> tuple[Tensor, dict]:
-    """Eq. (11c)/(11d): the reverse KL from the teacher, KL(π_θ‖π_T) = Σ_v π_θ(v)·(log π_θ(v) − log π_T(v)), over a
-    support S (``support_ids``: the student's, the teacher's or both sides' top-K tokens), trust-weighted:
+    """Eq. (11c)/(11d): the reverse KL from the teacher,
+    KL(π_θ‖π_T) = Σ_v π_θ(v)·(log π_θ(v) − log π_T(v)), over a support S (``support_ids``: the student's,
+    the teacher's or both sides' top-K tokens), trust-weighted:
     L = TokenMean[λ · KL_S].
 
     student_logp, teacher_logp: [B,L,S] the log-probs of the same S tokens per position (the student's with grad,

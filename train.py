@@ -8,9 +8,10 @@
 
 One RL step (`rl_step`) calls, in the order of METHOD.md §2:
     rollout_and_advantages (Eq. 1) → write_skills (Eq. 2; or give_skills, --teacher_skill) → replay (Eq. 3-4) →
-    share_records → skill_advantages (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) → calibrate (--calibrate) →
-    training_samples → score_policy (old / reference log-probs) → score_teacher (the teacher, its support, the
-    skill-in-prompt check) → update (Eq. 10-12: teacher_inputs, teacher_loss, rsipo_loss) → sync_weights →
+    share_records → skill_advantages (Eq. 5) → trust (Eq. 6-9) → keep_skills (§2.10) →
+    calibrate (--calibrate) → training_samples → score_policy (old / reference log-probs) →
+    score_teacher (the teacher, its support, the skill-in-prompt check) →
+    update (Eq. 10-12: teacher_inputs, teacher_loss, rsipo_loss) → sync_weights →
     follow_policy (the teacher's own weights) → step_row (what the step logs)
 each inside one `Sections` context (harness/run.py: timed, and before the update a SIGTERM check after it).
 `--algo grpo` runs rollout, scoring, update; `opsd` adds skills and the teacher with λ ≡ 1; `rsipo` all of it.
