@@ -199,6 +199,46 @@ def paired_lines(res: dict, seeds: list[int]) -> list[str]:
     return out
 
 
+def parse_contrast(expr: str, arms: list[str]) -> dict[str, float]:
+    """'rsipo_bank-rsipo_alpha0-0.5*opsd_generic+0.5*opsd_alpha0' → {arm: weight}; a clear error for an arm not
+    in the table or for text that is not such a sum."""
+    import re
+    term = re.compile(r"\s*([+-]?)\s*(?:(\d*\.?\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*")
+    weights, pos = {}, 0
+    while pos < len(expr):
+        m = term.match(expr, pos)
+        if not m or (pos and not m.group(1)):     # every term after the first needs its sign
+            raise SystemExit(f"error: --contrast {expr}: not a weighted sum of arms at '{expr[pos:]}'; "
+                             "e.g. rsipo_bank-rsipo_alpha0-0.5*opsd_generic+0.5*opsd_alpha0")
+        sign, w, arm = m.groups()
+        if arm not in arms:
+            raise SystemExit(f"error: --contrast {expr}: unknown arm {arm}; the arms are {', '.join(arms)}")
+        weights[arm] = weights.get(arm, 0.0) + (-1 if sign == "-" else 1) * float(w or 1)
+        pos = m.end()
+    if not weights:
+        raise SystemExit("error: --contrast is empty")
+    return weights
+
+
+def contrast(res: dict, weights: dict[str, float]) -> tuple[list[float], float, float, tuple | None]:
+    """The weighted sum of the arms' held-out success after RL (a difference of differences, e.g. one algorithm's
+    teacher share α 1 − α 0 less half of another's), seed by seed where every arm was evaluated: the values, their
+    mean and its s.e. over seeds; and the same sum game by game pooled over the seeds, as (mean, s.e., pairs) or
+    None under 2 games."""
+    per_seed, per_game = [], []
+    for runs in zip(*(res[arm] for arm in weights)):
+        if any(r.get("eval/success") is None for r in runs):
+            continue
+        per_seed.append(sum(w * r["eval/success"] for w, r in zip(weights.values(), runs)))
+        games = [r.get("eval/by_game") or {} for r in runs]
+        per_game += [sum(w * g[k] for w, g in zip(weights.values(), games))
+                     for k in games[0] if all(k in g for g in games)]
+    se = statistics.stdev(per_seed) / len(per_seed) ** 0.5 if len(per_seed) > 1 else float("nan")
+    by_games = ((statistics.mean(per_game), statistics.stdev(per_game) / len(per_game) ** 0.5, len(per_game))
+                if len(per_game) > 1 else None)
+    return per_seed, statistics.mean(per_seed) if per_seed else float("nan"), se, by_games
+
+
 def fmt(xs: list[float]) -> str:
     if not xs:
         return "–"
@@ -222,6 +262,9 @@ def main(argv=None):
     p.add_argument("--collect", default="", help="tabulate runs that exist instead of running any: a comma list of "
                    "label=prefix, the runs of each seed S at <prefix><S> (e.g. grpo=runs/tb/grpo/grpo_s); the first is "
                    "the base of the paired differences")
+    p.add_argument("--contrast", default="", help="also print a weighted sum of the arms' held-out success, by seed "
+                   "and over (seed, game) pairs, e.g. 'rsipo_bank-rsipo_alpha0-0.5*opsd_generic+0.5*opsd_alpha0' "
+                   "(> 0: RSIPO's teacher share is more than half of OPSD's)")
     a = p.parse_args(argv)
     algos = a.algos.split(",")
     try:
@@ -230,8 +273,9 @@ def main(argv=None):
         raise SystemExit(f"error: --seeds {a.seeds}: a comma list of integers, e.g. 0,1,2") from None
     if not a.collect:
         check_args(algos, extra)
+    arms = dict(x.split("=", 1) for x in a.collect.split(",")) if a.collect else {}
+    weights = parse_contrast(a.contrast, list(arms) if a.collect else algos) if a.contrast else None
     if a.collect:                         # runs made by several invocations (other flags each), side by side
-        arms = dict(x.split("=", 1) for x in a.collect.split(","))
         res = {label: [load_run(Path(f"{prefix}{s}")) for s in seeds] for label, prefix in arms.items()}
     else:
         flags = warm_start(a, extra) + extra
@@ -262,6 +306,13 @@ def main(argv=None):
         lines.append(f"| {algo} | {fmt(start)} | {fmt(end)} | {fmt(gain)} | " + " | ".join(fmt(per[t]) for t in TYPES)
                      + f" | {', '.join(map(str, steps))} |")
     lines += paired_lines(res, seeds)
+    if weights:
+        d, mean, se, games = contrast(res, weights)
+        lines.append(f"\n{a.contrast}, held-out success after RL by seed ({', '.join(map(str, seeds))}): "
+                     f"{', '.join(f'{100 * x:+.1f}' for x in d)} → **{100 * mean:+.1f} ± {100 * se:.1f}** points "
+                     f"(1 s.e. over seeds; {mean / se if se else float('nan'):.1f} s.e.)"
+                     + (f"; over its {games[2]} (seed, game) pairs {100 * games[0]:+.1f} ± {100 * games[1]:.1f} "
+                        f"({games[0] / games[1] if games[1] else float('nan'):.1f} s.e.)" if games else ""))
     md = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -161,6 +161,30 @@ def test_several_seeds_also_pair_over_seed_game_pairs_and_time_a_step(tmp_path):
     assert C.paired_over_games([{"eval/by_game": {"g0": 1}}], [{"eval/by_game": {"g0": 0}}]) is None   # one pair
 
 
+def test_a_contrast_of_arms_by_seed_and_over_seed_game_pairs(tmp_path):
+    # 2 seeds × 2 games, the ends the games' means. seed 0: a (0, 0), b (1, 1), c (1, 0); seed 1: a (0, 1),
+    # b (1, 1), c (1, 1)
+    wins = {("a", 0): (0, 0), ("b", 0): (1, 1), ("c", 0): (1, 0), ("a", 1): (0, 1), ("b", 1): (1, 1), ("c", 1): (1, 1)}
+    for (arm, seed), w in wins.items():
+        _finished_run(tmp_path / arm / f"s{seed}", {"eval/success": sum(w) / 2,
+                      "eval/by_game": {f"g{i}": x for i, x in enumerate(w)}})
+    assert C.parse_contrast("b-a-0.5*c+0.5*a", ["a", "b", "c"]) == {"b": 1.0, "a": -0.5, "c": -0.5}
+    out = tmp_path / "table"
+    C.main(["--seeds", "0,1", "--out", str(out), "--contrast", "b-a-0.5*c", "--collect",
+            ",".join(f"{arm}={tmp_path}/{arm}/s" for arm in "abc")])
+    md = (out / "compare.md").read_text()
+    # by seed: 1 − 0 − 0.5 · 0.5 = 0.75 and 1 − 0.5 − 0.5 · 1 = 0; mean 0.375, s.e. stdev(0.75, 0) / √2 = 0.375
+    assert "b-a-0.5*c, held-out success after RL by seed (0, 1): +75.0, +0.0 → **+37.5 ± 37.5** points" in md
+    # by game: 0.5, 1, 0.5, −0.5; mean 0.375, stdev √(1.1875 / 3) = 0.6292, over √4 = 0.3146 (1.2 s.e.)
+    assert "; over its 4 (seed, game) pairs +37.5 ± 31.5 (1.2 s.e.)" in md
+    for expr, said in (("b-d", "unknown arm d; the arms are a, b, c"), ("b a", "not a weighted sum of arms at 'a'"),
+                       ("b-2*", "not a weighted sum")):
+        with pytest.raises(SystemExit, match=said):
+            C.main(["--seeds", "0,1", "--out", str(tmp_path / "bad"), "--contrast", expr, "--collect",
+                    ",".join(f"{arm}={tmp_path}/{arm}/s" for arm in "abc")])
+    assert not (tmp_path / "bad").exists()
+
+
 def test_bad_arguments_are_refused_before_any_run(tmp_path):
     import time
     t0 = time.time()
