@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import subprocess
@@ -140,13 +141,28 @@ def steps_to_reach(curve: list[tuple[float, float, float]], target: float) -> fl
     return None
 
 
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """The mean (nan for none) and its standard error (std with n − 1, over √n; nan under 2 values)."""
+    return (statistics.mean(xs) if xs else float("nan"),
+            statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan"))
+
+
+def by_seed_text(d: list[float], mean: float, se: float, seeds: list[int], games: tuple | None) -> str:
+    """'by seed (0, 1): +1.0, +2.0 → **+1.5 ± 0.5** points (1 s.e. over seeds; 3.0 s.e.)', and where the runs logged
+    their games, '; over its N (seed, game) pairs …' from `games` = (mean, s.e., N)."""
+    return (f"by seed ({', '.join(map(str, seeds))}): {', '.join(f'{100 * x:+.1f}' for x in d)} → "
+            f"**{100 * mean:+.1f} ± {100 * se:.1f}** points "
+            f"(1 s.e. over seeds; {mean / se if se else float('nan'):.1f} s.e.)"
+            + (f"; over its {games[2]} (seed, game) pairs {100 * games[0]:+.1f} ± {100 * games[1]:.1f} "
+               f"({games[0] / games[1] if games[1] else 0:.1f} s.e.)" if games else ""))
+
+
 def paired(base: list[dict], other: list[dict]) -> tuple[list[float], float, float]:
     """Held-out success after RL, `other` − `base`, seed by seed (runs of one seed share the warm start and the
     evaluation's random numbers): the differences, their mean and its standard error over seeds."""
     d = [o["eval/success"] - b["eval/success"] for b, o in zip(base, other)
          if b.get("eval/success") is not None and o.get("eval/success") is not None]
-    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
-    return d, statistics.mean(d) if d else float("nan"), se
+    return d, *mean_se(d)
 
 
 def paired_over_games(base: list[dict], other: list[dict]) -> tuple[float, float, int] | None:
@@ -159,7 +175,7 @@ def paired_over_games(base: list[dict], other: list[dict]) -> tuple[float, float
     for b, o in zip(base, other):
         a, c = b.get("eval/by_game") or {}, o.get("eval/by_game") or {}
         d += [c[g] - a[g] for g in a if g in c]
-    return (statistics.mean(d), statistics.stdev(d) / len(d) ** 0.5, len(d)) if len(d) > 1 else None
+    return (*mean_se(d), len(d)) if len(d) > 1 else None
 
 
 def paired_lines(res: dict, seeds: list[int]) -> list[str]:
@@ -178,11 +194,8 @@ def paired_lines(res: dict, seeds: list[int]) -> list[str]:
                        f"**{100 * mean:+.1f} ± {100 * se:.1f}** points "
                        f"(1 s.e. over games; {mean / se if se else 0:.1f} s.e.)")
         elif d:
-            out.append(f"\n{algo} − {base}, held-out success after RL paired by seed ({', '.join(map(str, seeds))}): "
-                       f"{', '.join(f'{100 * x:+.1f}' for x in d)} → **{100 * mean:+.1f} ± {100 * se:.1f}** points "
-                       f"(1 s.e. over seeds; {mean / se if se else float('nan'):.1f} s.e.)"
-                       + (f"; over its {games[2]} (seed, game) pairs {100 * games[0]:+.1f} ± {100 * games[1]:.1f} "
-                          f"({games[0] / games[1] if games[1] else 0:.1f} s.e.)" if games else ""))
+            out.append(f"\n{algo} − {base}, held-out success after RL paired "
+                       + by_seed_text(d, mean, se, seeds, games))
         ratio = [o["internals"]["time/step"] / b["internals"]["time/step"] for b, o in zip(res[base], res[algo])
                  if "time/step" in b.get("internals", {}) and "time/step" in o.get("internals", {})]
         if ratio:                         # the cost: a step's wall time against the base's, seed by seed
@@ -202,7 +215,6 @@ def paired_lines(res: dict, seeds: list[int]) -> list[str]:
 def parse_contrast(expr: str, arms: list[str]) -> dict[str, float]:
     """'rsipo_bank-rsipo_alpha0-0.5*opsd_generic+0.5*opsd_alpha0' → {arm: weight}; a clear error for an arm not
     in the table or for text that is not such a sum."""
-    import re
     term = re.compile(r"\s*([+-]?)\s*(?:(\d*\.?\d+)\s*\*\s*)?([A-Za-z_]\w*)\s*")
     weights, pos = {}, 0
     while pos < len(expr):
@@ -233,10 +245,7 @@ def contrast(res: dict, weights: dict[str, float]) -> tuple[list[float], float, 
         games = [r.get("eval/by_game") or {} for r in runs]
         per_game += [sum(w * g[k] for w, g in zip(weights.values(), games))
                      for k in games[0] if all(k in g for g in games)]
-    se = statistics.stdev(per_seed) / len(per_seed) ** 0.5 if len(per_seed) > 1 else float("nan")
-    by_games = ((statistics.mean(per_game), statistics.stdev(per_game) / len(per_game) ** 0.5, len(per_game))
-                if len(per_game) > 1 else None)
-    return per_seed, statistics.mean(per_seed) if per_seed else float("nan"), se, by_games
+    return per_seed, *mean_se(per_seed), (*mean_se(per_game), len(per_game)) if len(per_game) > 1 else None
 
 
 def fmt(xs: list[float]) -> str:
@@ -297,22 +306,16 @@ def main(argv=None):
         # end − start of each run: both evaluations of a seed draw the same random numbers (rollout.evaluate)
         gain = [r["eval/success"] - r["eval/success_at_start"] for r in runs
                 if r.get("eval/success") is not None and r.get("eval/success_at_start") is not None]
-        # the mean gain over seeds and its standard error over seeds (std with n − 1, over √n)
-        se = statistics.stdev(gain) / len(gain) ** 0.5 if len(gain) > 1 else float("nan")
-        table[algo] = {"start": start, "end": end, "gain": gain,
-                       "gain_mean": statistics.mean(gain) if gain else float("nan"),
-                       "gain_se": se, "per_type": per, "rl_steps": steps,
+        gain_mean, gain_se = mean_se(gain)           # over seeds
+        table[algo] = {"start": start, "end": end, "gain": gain, "gain_mean": gain_mean,
+                       "gain_se": gain_se, "per_type": per, "rl_steps": steps,
                        "internals": [r["internals"] for r in runs]}
         lines.append(f"| {algo} | {fmt(start)} | {fmt(end)} | {fmt(gain)} | " + " | ".join(fmt(per[t]) for t in TYPES)
                      + f" | {', '.join(map(str, steps))} |")
     lines += paired_lines(res, seeds)
     if weights:
         d, mean, se, games = contrast(res, weights)
-        lines.append(f"\n{a.contrast}, held-out success after RL by seed ({', '.join(map(str, seeds))}): "
-                     f"{', '.join(f'{100 * x:+.1f}' for x in d)} → **{100 * mean:+.1f} ± {100 * se:.1f}** points "
-                     f"(1 s.e. over seeds; {mean / se if se else float('nan'):.1f} s.e.)"
-                     + (f"; over its {games[2]} (seed, game) pairs {100 * games[0]:+.1f} ± {100 * games[1]:.1f} "
-                        f"({games[0] / games[1] if games[1] else float('nan'):.1f} s.e.)" if games else ""))
+        lines.append(f"\n{a.contrast}, held-out success after RL " + by_seed_text(d, mean, se, seeds, games))
     md = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
